@@ -1,0 +1,219 @@
+"""A Llama-family decoder as plain single-device PyTorch.
+
+RMSNorm, rotary position embeddings (configurable theta, the "rotate half" layout used by
+Hugging Face), grouped-query attention through ``F.scaled_dot_product_attention`` (flash
+kernels on GPU), a SwiGLU MLP, tied or untied embeddings.
+
+This file imports nothing from parallel3d: ``parallelize.py`` beside it swaps in
+tensor-parallel layers and cuts pipeline stages. To make that possible without touching
+this code:
+
+* attention infers its local head counts from the projection shapes, so a tensor-parallel
+  q/k/v projection that outputs ``n_heads/tp`` heads just works;
+* layers live in an ``nn.ModuleDict`` keyed by their global index, and ``tok_embeddings``,
+  ``norm`` and ``output`` may be set to None; parameter names therefore stay those of the
+  unsplit model whatever the pipeline split.
+
+Parameter names follow Hugging Face's ``LlamaForCausalLM`` without the ``model.`` prefix
+(``embed_tokens``, ``layers.3.self_attn.q_proj``, ``lm_head``), so conversion is a rename.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 2048
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 352
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    max_seq_len: int = 8192
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim {self.dim} is not divisible by model.n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model.n_heads {self.n_heads} is not divisible by model.n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        hd = self.head_dim
+        attn = self.dim * (self.n_heads * hd) * 2 + self.dim * (self.n_kv_heads * hd) * 2
+        mlp = 3 * self.dim * self.ffn_dim
+        per_layer = attn + mlp + 2 * self.dim
+        emb = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        n = self.n_layers * per_layer + self.dim + head
+        return n + emb if include_embedding else n
+
+
+# Shapes of published models (Llama 3.2 1B, Llama 3.1 8B and 70B). Rope scaling of the
+# long-context releases is not modelled; theta is that of the base models.
+PRESETS: dict[str, LlamaConfig] = {
+    "debug": LlamaConfig(),
+    "1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                      ffn_dim=8192, rope_theta=500000.0, tie_embeddings=True),
+    "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                      ffn_dim=14336, rope_theta=500000.0),
+    "70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                       ffn_dim=28672, rope_theta=500000.0),
+}
+
+
+def config_from_preset(name: str, **overrides) -> LlamaConfig:
+    """The preset ``name`` with any non-None field of ``overrides`` replaced."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model.preset '{name}': choose one of {sorted(PRESETS)}")
+    known = {f.name for f in fields(LlamaConfig)}
+    changes = {k: v for k, v in overrides.items() if v is not None and k in known}
+    return replace(PRESETS[name], **changes)
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * w``, computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, each (seq_len, head_dim), in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    t = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (S, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd): the "rotate half" layout
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, h, S, hd) by position: x*cos + rotate_half(x)*sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x.shape
+        hd = self.head_dim
+        # Head counts come from the projection widths: under tensor parallelism these are
+        # the local heads of this rank.
+        q = self.q_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, h, S, hd)
+        k = self.k_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, kvh, S, hd)
+        v = self.v_proj(x).view(B, S, -1, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Llama(nn.Module):
+    """Causal LM: tokens (B, S) -> logits (B, S, vocab).
+
+    ``forward`` also accepts hidden states (B, S, dim) when ``embed_tokens`` is None (a
+    later pipeline stage) and returns hidden states when ``lm_head`` is None.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for matrices and embeddings (output projections scaled by
+        1/sqrt(2 * n_layers), as in GPT-2), ones for norms. Deterministic given the torch
+        seed, in module order."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, out_std)
+            else:
+                p.normal_(0.0, std)
+
+    def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, dim)
+        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)  # (B, S, vocab)
+        return h

@@ -1,0 +1,236 @@
+"""Job configuration: nested dataclasses, one per component, loaded from TOML.
+
+A recipe is a TOML file whose tables match the sections below (``[parallel]``,
+``[train]``, ...). Command-line overrides use dotted keys (``--parallel.tp=2``); their
+values are parsed as TOML literals, so ``--train.lr=3e-4`` is a float and
+``--parallel.pp_layers=[2,2]`` a list. Unknown keys and wrong types raise
+:class:`~parallel3d.errors.UserError` with a did-you-mean. Each component receives only
+its own section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from parallel3d.errors import UserError, did_you_mean
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build: a named preset, with any field overridden.
+
+    Fields left as None take the preset's value (see ``parallel3d.models.llama.PRESETS``).
+    """
+
+    preset: str = "debug"
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+    init_std: float | None = None
+
+
+@dataclass
+class ParallelConfig:
+    """The layout: tensor x pipeline x data parallel degrees (tp innermost)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    seed: int = 1234
+    global_batch: int = 16  # sequences per optimizer step, summed over data-parallel ranks
+    micro_batch: int = 4  # sequences per rank in one forward pass
+    seq_len: int = 128
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
+    log_interval: int = 1
+
+
+@dataclass
+class DataConfig:
+    # "stdlib": the running Python's standard-library sources, tokenized with a byte-level
+    # BPE trained on them (every machine has this corpus).
+    source: str = "stdlib"
+    max_bytes: int = 8_000_000  # how much of the corpus to read
+    vocab_size: int = 2048  # BPE vocabulary trained on the corpus
+    cache_dir: str = ""  # default: ~/.cache/parallel3d
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int = 1  # local worker processes when not already under torchrun
+    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    threads_per_proc: int = 0  # 0: cores / local processes
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/debug"
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp, where: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except UserError:
+                pass
+        names = " or ".join(_type_name(a) for a in args if a is not type(None))
+        raise UserError(f"{where} expects {names}, got {value!r}")
+    if origin is list:
+        (inner,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise UserError(f"{where} expects a list, got {value!r}")
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise UserError(f"{where} expects {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            prefix = f"{where}." if where else ""
+            hint = did_you_mean(key, names)
+            hint = hint.replace("'", f"'{prefix}", 1) if hint else ""
+            raise UserError(f"unknown config key '{path}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise UserError(f"'{path}' must be a table of keys, got {value!r}")
+            kwargs[key] = _build(tp, value, path)
+        else:
+            kwargs[key] = _coerce(value, tp, path)
+    return cls(**kwargs)
+
+
+def _parse_literal(text: str) -> Any:
+    """Parse an override value as a TOML literal; anything else is a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["--train.lr=3e-4", "--parallel.tp", "2"]`` into a nested dict."""
+    nested: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(f"unexpected argument '{arg}': overrides look like --section.key=value")
+        if "=" in arg:
+            key, text = arg[2:].split("=", 1)
+        else:
+            if i + 1 >= len(args):
+                raise UserError(f"'{arg}' needs a value: --section.key=value")
+            key, text = arg[2:], args[i + 1]
+            i += 1
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"'{key}' overrides a value that is not a table")
+        node[parts[-1]] = _parse_literal(text)
+        i += 1
+    return nested
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe '{path}' not found: give the path of a TOML recipe")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"recipe '{path}' is not valid TOML: {e}") from None
+    except OSError as e:
+        raise UserError(f"recipe '{path}' cannot be read: {e.strerror}") from None
+
+
+def load_config(recipe: str | Path | None = None, overrides: list[str] | dict | None = None) -> JobConfig:
+    """Build a :class:`JobConfig` from a recipe file (or defaults) plus overrides."""
+    data = read_toml(recipe) if recipe is not None else {}
+    if overrides:
+        extra = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _merge(data, extra)
+    return _build(JobConfig, data, "")
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    return _build(JobConfig, data, "")

@@ -1,0 +1,69 @@
+"""Starting torch.distributed inside a worker, and small collective helpers.
+
+A worker is started by ``torchrun`` (or our own elastic launch, which sets the same
+variables): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``. Those are the only environment variables parallel3d reads.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from parallel3d.errors import UserError
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def pick_backend(requested: str) -> str:
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested not in ("nccl", "gloo"):
+        raise UserError(f"launch.backend '{requested}' is not supported: use auto, nccl or gloo")
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise UserError("launch.backend 'nccl' needs CUDA devices: use gloo (or auto) on CPU")
+    return requested
+
+
+def device_for(backend: str) -> torch.device:
+    if backend == "nccl":
+        dev = torch.device("cuda", local_rank())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init_from_env(backend: str, timeout_s: float = 600.0) -> None:
+    """Join the process group described by torchrun's environment variables."""
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def set_cpu_threads(threads_per_proc: int) -> None:
+    """Share the cores between the local processes (torchrun sets OMP_NUM_THREADS=1;
+    our own launch does not, so the worker decides)."""
+    if threads_per_proc <= 0:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads_per_proc = max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads_per_proc)
+
+
+def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; a no-op when ``group`` is None (a group of one)."""
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+    return t

@@ -1,0 +1,101 @@
+"""AdamW, the learning-rate schedule, and global-norm gradient clipping.
+
+The optimizer interface the trainer sees (:class:`DataParallelOptimizer`)::
+
+    opt.zero_grad()
+    ... forward / backward over the micro-batches ...
+    grad_norm = opt.step(lr)   # sync gradients, clip by the global norm, update
+
+so that the sharded (ZeRO) optimizer can replace it without the loop knowing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parallel3d.config import TrainConfig
+from parallel3d.data_parallel import all_reduce_gradients
+from parallel3d.distributed import all_reduce
+from parallel3d.topology import Topology
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps`` to ``lr``, then cosine to ``lr*min_lr_ratio``
+    at the last step. ``step`` counts from 0."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    """Weight decay on matrices and embeddings, none on vectors (norm weights, biases)."""
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def counts_in_norm(p: torch.nn.Parameter) -> bool:
+    """A parameter replicated over a model-parallel group (a norm weight under tensor
+    parallelism, a tied embedding held by two pipeline stages) is marked by
+    ``parallelize`` with ``p.p3d_norm_owner = False`` on all but one holder, so the
+    global norm counts it once."""
+    return getattr(p, "p3d_norm_owner", True)
+
+
+@torch.no_grad()
+def global_grad_norm(grads_and_params, topo: Topology) -> torch.Tensor:
+    """L2 norm of all gradients of the model, each parameter counted once across the
+    tensor- and pipeline-parallel groups (fp32, same value on every rank)."""
+    sq = torch.zeros((), dtype=torch.float32)
+    for g, p in grads_and_params:
+        if g is not None and counts_in_norm(p):
+            sq = sq.to(g.device) + g.float().pow(2).sum()
+    all_reduce(sq, topo.mp_group)
+    return sq.sqrt()
+
+
+@torch.no_grad()
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """``min(1, max_norm / (norm + 1e-6))``, as ``torch.nn.utils.clip_grad_norm_``."""
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+class DataParallelOptimizer:
+    """AdamW over replicated parameters, gradients averaged over the dp group (zero=0)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], cfg: TrainConfig, topo: Topology):
+        self.params = [p for p in params if p.requires_grad]
+        self.cfg = cfg
+        self.topo = topo
+        self.inner = torch.optim.AdamW(
+            param_groups(self.params, cfg.weight_decay), lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, lr: float) -> float:
+        all_reduce_gradients(self.params, self.topo.dp_group, self.topo.dp)
+        norm = global_grad_norm(((p.grad, p) for p in self.params), self.topo)
+        if self.cfg.grad_clip > 0:
+            coef = clip_coefficient(norm, self.cfg.grad_clip)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        for group in self.inner.param_groups:
+            group["lr"] = lr
+        self.inner.step()
+        return float(norm)
+
+    def state_dict(self) -> dict:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inner.load_state_dict(state)

@@ -1,0 +1,50 @@
+"""The command line: the launcher path, and bad layouts failing fast with one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def _cli(*args, timeout=120):
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--parallel.tp=2", "--parallel.dp=2", "--launch.nproc=2"],
+     "world size 2 != tp*pp*dp = 2*1*2 = 4"),
+    (["--parallel.tp=3", "--parallel.dp=1", "--launch.nproc=3"],
+     "model.n_heads 4 is not divisible by parallel.tp 3"),
+    (["--parallel.pp=8", "--parallel.dp=1", "--launch.nproc=8"],
+     "model.n_layers 4 is fewer than parallel.pp 8"),
+    (["--train.global_batch=10", "--train.micro_batch=4"],
+     "train.global_batch 10 is not divisible by train.micro_batch 4 * parallel.dp 2 = 8"),
+    (["--train.lrr=1"], "did you mean 'train.lr'"),
+])
+def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
+    proc, seconds = _cli("train", f"--run.dir={tmp_path}", *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert seconds < 20
+
+
+def test_launches_local_workers_and_logs_every_step(corpus_dir, tmp_path):
+    run = tmp_path / "run"
+    proc, _ = _cli("train", "--launch.nproc=2", "--parallel.dp=2", "--train.steps=4",
+                   "--train.log_interval=2", "--train.seq_len=32", f"--run.dir={run}",
+                   "--data.max_bytes=1000000", "--data.vocab_size=512",
+                   f"--data.cache_dir={corpus_dir}", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "step     4" in proc.stdout
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert json.loads((run / "config.json").read_text())["parallel"]["dp"] == 2

@@ -1,0 +1,53 @@
+"""The reference Llama equals Hugging Face's LlamaForCausalLM on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel3d.models.llama import Llama, config_from_preset
+from parallel3d.models.llama.hf import config_from_hf, config_to_hf, name_to_hf
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_twin(cfg, ours: Llama):
+    hf_cfg = transformers.LlamaConfig(**config_to_hf(cfg))
+    hf_cfg._attn_implementation = "sdpa"
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    state = {name_to_hf(k): v for k, v in ours.state_dict().items()}
+    hf.load_state_dict(state, strict=True)
+    return hf
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_logits_equal_transformers_gqa_odd_vocab(tie):
+    # GQA (6 heads sharing 2 kv-heads), an odd vocabulary, a non-default rope theta.
+    cfg = config_from_preset("debug", vocab_size=1031, dim=96, n_heads=6, n_kv_heads=2,
+                             ffn_dim=200, n_layers=3, rope_theta=50000.0, tie_embeddings=tie)
+    torch.manual_seed(0)
+    ours = Llama(cfg).eval()
+    hf = _hf_twin(cfg, ours)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 53))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    # fp32, same operations in the same order: equal up to reassociation inside SDPA.
+    assert diff < 1e-5, diff
+
+
+def test_hf_config_round_trip_and_refusals():
+    cfg = config_from_preset("8b")
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+    with pytest.raises(ValueError, match="unsupported Hugging Face architecture"):
+        config_from_hf({**config_to_hf(cfg), "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        config_from_hf({**config_to_hf(cfg), "rope_scaling": {"rope_type": "llama3"}})
+
+
+@pytest.mark.parametrize("preset,billions", [("1b", 1.24), ("8b", 8.03), ("70b", 70.6)])
+def test_presets_have_the_published_sizes(preset, billions):
+    n = config_from_preset(preset).num_params()
+    assert abs(n / 1e9 - billions) / billions < 0.01, n
+    with torch.device("meta"):
+        model = Llama(config_from_preset(preset))
+    assert sum(p.numel() for p in model.parameters()) == n

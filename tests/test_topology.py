@@ -1,0 +1,125 @@
+"""Topology: hand-worked rank grids, checked as pure arithmetic and with real groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel3d.errors import UserError
+from parallel3d.topology import RankGrid, Topology
+
+# (tp, pp, dp) -> expected groups, worked out by hand from
+# rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank.
+GRIDS = {
+    (1, 1, 8): {
+        "tp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "dp": [[0, 1, 2, 3, 4, 5, 6, 7]],
+        "pp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "mp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+    },
+    (2, 2, 2): {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    },
+    (8, 1, 1): {
+        "tp": [[0, 1, 2, 3, 4, 5, 6, 7]],
+        "dp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "pp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "mp": [[0, 1, 2, 3, 4, 5, 6, 7]],
+    },
+    (2, 4, 1): {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "pp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "mp": [[0, 1, 2, 3, 4, 5, 6, 7]],
+    },
+    (4, 1, 2): {
+        "tp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+        "dp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "pp": [[0], [1], [2], [3], [4], [5], [6], [7]],
+        "mp": [[0, 1, 2, 3], [4, 5, 6, 7]],
+    },
+}
+
+# (tp, pp, dp) -> {rank: (tp_rank, pp_rank, dp_rank)} for every rank, by hand.
+COORDS = {
+    (1, 1, 8): {r: (0, 0, r) for r in range(8)},
+    (2, 2, 2): {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 0, 1), 3: (1, 0, 1),
+                4: (0, 1, 0), 5: (1, 1, 0), 6: (0, 1, 1), 7: (1, 1, 1)},
+    (8, 1, 1): {r: (r, 0, 0) for r in range(8)},
+    (2, 4, 1): {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 1, 0), 3: (1, 1, 0),
+                4: (0, 2, 0), 5: (1, 2, 0), 6: (0, 3, 0), 7: (1, 3, 0)},
+    (4, 1, 2): {0: (0, 0, 0), 1: (1, 0, 0), 2: (2, 0, 0), 3: (3, 0, 0),
+                4: (0, 0, 1), 5: (1, 0, 1), 6: (2, 0, 1), 7: (3, 0, 1)},
+}
+
+
+def _group_of(groups: list[list[int]], rank: int) -> list[int]:
+    (g,) = [g for g in groups if rank in g]
+    return g
+
+
+@pytest.mark.parametrize("layout", list(GRIDS))
+def test_grid_matches_hand_worked_layout(layout):
+    tp, pp, dp = layout
+    grid = RankGrid(tp=tp, pp=pp, dp=dp)
+    for axis, expected in GRIDS[layout].items():
+        assert grid.all_groups(axis) == expected, axis
+    for rank, (t, p, d) in COORDS[layout].items():
+        assert grid.coords(rank) == {"tp": t, "pp": p, "dp": d}
+        topo = Topology(tp, pp, dp, rank=rank, world_size=8, create_groups=False)
+        assert (topo.tp_rank, topo.pp_rank, topo.dp_rank) == (t, p, d)
+        assert topo.tp_ranks == _group_of(GRIDS[layout]["tp"], rank)
+        assert topo.dp_ranks == _group_of(GRIDS[layout]["dp"], rank)
+        assert topo.pp_ranks == _group_of(GRIDS[layout]["pp"], rank)
+        assert topo.mp_ranks == _group_of(GRIDS[layout]["mp"], rank)
+        assert topo.is_first_stage == (p == 0) and topo.is_last_stage == (p == pp - 1)
+        pp_group = topo.pp_ranks
+        assert topo.prev_rank == (pp_group[p - 1] if p > 0 else None)
+        assert topo.next_rank == (pp_group[p + 1] if p < pp - 1 else None)
+
+
+def test_large_grid_is_a_bijection():
+    grid = RankGrid(tp=8, pp=8, dp=8)
+    seen = {tuple(grid.coords(r).values()) for r in range(grid.world_size)}
+    assert len(seen) == 512
+    assert all(grid.rank_of(**{f"{k}_rank": v for k, v in grid.coords(r).items()}) == r
+               for r in range(512))
+
+
+@pytest.mark.parametrize("tp,pp,dp,world", [(2, 2, 2, 6), (3, 1, 1, 8), (1, 1, 0, 1)])
+def test_bad_layout_is_rejected_before_any_group(tp, pp, dp, world):
+    with pytest.raises(UserError, match=r"parallel|world size"):
+        Topology(tp, pp, dp, rank=0, world_size=world)
+
+
+def _members(group, my_rank: int) -> list[int]:
+    """The ranks in ``group``, found by an all-gather over it (proves the group is real)."""
+    if group is None:
+        return [my_rank]
+    size = dist.get_world_size(group)
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(out, torch.tensor([my_rank]), group=group)
+    return [int(t) for t in out]
+
+
+def _real_groups(tp: int, pp: int, dp: int) -> dict:
+    topo = Topology(tp, pp, dp)
+    rank = dist.get_rank()
+    return {
+        "coords": (topo.tp_rank, topo.pp_rank, topo.dp_rank),
+        "tp": _members(topo.tp_group, rank), "dp": _members(topo.dp_group, rank),
+        "pp": _members(topo.pp_group, rank), "mp": _members(topo.mp_group, rank),
+    }
+
+
+@pytest.mark.parametrize("layout", list(GRIDS))
+def test_real_process_groups_on_8_gloo_ranks(pools, layout):
+    results = pools(8).run(_real_groups, *layout)
+    for rank, got in enumerate(results):
+        assert got["coords"] == COORDS[layout][rank]
+        for axis in ("tp", "dp", "pp", "mp"):
+            assert got[axis] == _group_of(GRIDS[layout][axis], rank), (axis, rank)
