@@ -33,6 +33,17 @@ from parallel3d.train.optim import global_grad_norm
 RTOL = 1e-5  # see the module docstring
 
 
+_TOPOLOGIES: dict[tuple[int, int], Topology] = {}
+
+
+def _topology(tp: int, dp: int) -> Topology:
+    """One Topology per layout and worker process: every new one creates its process
+    groups, and tearing hundreds of gloo groups down at the end costs seconds."""
+    if (tp, dp) not in _TOPOLOGIES:
+        _TOPOLOGIES[tp, dp] = Topology(tp, 1, dp)
+    return _TOPOLOGIES[tp, dp]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach(), b.detach()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
@@ -141,7 +152,7 @@ def _cross_entropy_case(topo) -> dict[str, float]:
 
 
 def check_layers(tp: int, dp: int) -> dict[str, float]:
-    topo = Topology(tp, 1, dp)
+    topo = _topology(tp, dp)
     errs = {}
     for kind in ("column", "row"):
         for sp in (False, True):
@@ -174,7 +185,7 @@ SMALL = LlamaConfig(vocab_size=101, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
 def check_llama(tp: int, dp: int, sp: bool, tied: bool) -> dict[str, float]:
     """Forward + backward of the sharded model vs the dense one; loss, every parameter's
     gradient (after the tp gradient sync) and the global grad norm."""
-    topo = Topology(tp, 1, dp)
+    topo = _topology(tp, dp)
     cfg = LlamaConfig(**{**SMALL.__dict__, "tie_embeddings": tied})
     torch.manual_seed(5)
     dense = Llama(cfg)
@@ -236,7 +247,7 @@ def _recorded_shapes(fn) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def check_no_full_vocab_tensor(tp: int, dp: int) -> dict:
-    topo = Topology(tp, 1, dp)
+    topo = _topology(tp, dp)
     cfg = SMALL  # vocab 101, padded 102 / 104; no other size in the model is near it
     full_sizes = {101, 102, 104}
     torch.manual_seed(6)
@@ -301,3 +312,48 @@ def test_job_checks_for_sequence_parallel_and_backend():
         check("--parallel.tp=4", "--parallel.sequence_parallel=true", "--train.seq_len=130")
     with pytest.raises(UserError, match="parallel.linear_backend 'cuda' is not supported"):
         check("--parallel.linear_backend=cuda")
+
+
+# -- initialising shards directly --------------------------------------------------------
+
+def check_sharded_init(tp: int, dp: int, tied: bool) -> dict[str, float]:
+    """Meta build + per-shard counter init vs the slices of the full model given the
+    same init: they must be equal exactly (the same float64 formula per element)."""
+    from parallel3d.models.llama.sharded_init import build_sharded_llama, init_llama_
+
+    topo = _topology(tp, dp)
+    cfg = LlamaConfig(**{**SMALL.__dict__, "tie_embeddings": tied})
+    dense = init_llama_(Llama(cfg), seed=11)
+    model, loss_fn = build_sharded_llama(cfg, topo, ParallelConfig(tp=tp, dp=dp), seed=11)
+    dense_params = dict(dense.named_parameters())
+    diffs = {name: float((p.detach() - _rows(dense_params[name].detach(), p)).abs().max())
+             for name, p in model.named_parameters()}
+    torch.manual_seed(12)  # the same tokens on every rank
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    diffs["loss"] = rel(loss_fn(model(tokens), tokens), cross_entropy_loss(dense(tokens), tokens))
+    diffs["tied"] = float(tied and model.lm_head.weight is not model.embed_tokens.weight)
+    return diffs
+
+
+@pytest.mark.parametrize("tp,tied", [(2, True), (4, False)])
+def test_shards_initialised_directly_equal_slices_of_the_full_model(pools, tp, tied):
+    for rank, diffs in enumerate(pools(4).run(check_sharded_init, tp, 4 // tp, tied)):
+        loss = diffs.pop("loss")
+        assert loss < RTOL, (rank, loss)
+        assert all(d == 0.0 for d in diffs.values()), (rank, diffs)
+
+
+def test_counter_init_has_the_requested_distribution():
+    from parallel3d.models.llama.sharded_init import init_llama_
+
+    cfg = LlamaConfig(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256)
+    model = init_llama_(Llama(cfg), seed=3).requires_grad_(False)
+    emb = model.embed_tokens.weight  # 64k samples: the std is within ~0.3% (1 sigma)
+    assert abs(float(emb.std()) / cfg.init_std - 1) < 0.02 and abs(float(emb.mean())) < 3e-4
+    down = model.layers["0"].mlp.down_proj.weight
+    assert abs(float(down.std()) / (cfg.init_std / 2) - 1) < 0.03  # 1/sqrt(2 * n_layers)
+    q0, q1 = model.layers["0"].self_attn.q_proj.weight, model.layers["1"].self_attn.q_proj.weight
+    assert abs(float(torch.corrcoef(torch.stack([q0.flatten(), q1.flatten()]))[0, 1])) < 0.02
+    again = init_llama_(Llama(cfg), seed=3).embed_tokens.weight
+    other = init_llama_(Llama(cfg), seed=4).embed_tokens.weight
+    assert torch.equal(emb, again) and not torch.equal(emb, other)
