@@ -34,13 +34,25 @@ from .comm import (copy_to_tp_region, gather_from_sequence, gather_from_tp_regio
                    group_size, reduce_from_tp_region, reduce_scatter_to_sequence,
                    scatter_to_tp_region)
 
+try:  # the Triton GEMM; without triton installed only the torch path exists
+    from parallel3d.kernels.linear import linear as _kernel_linear
+except ImportError:  # pragma: no cover - triton is in the test extras
+    _kernel_linear = None
+
 BACKENDS = ("auto", "triton", "torch")
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             backend: str) -> torch.Tensor:
-    """``x A^T + b``: the single call site of the GEMM kernel for the parallel layers."""
-    return F.linear(x, weight, bias)
+    """``x A^T + b``: the single call site of the GEMM for the parallel layers.
+
+    ``parallel3d.kernels.linear``: "auto" runs the Triton kernels on CUDA tensors and
+    the torch reference on CPU tensors, "triton" / "torch" force one."""
+    if _kernel_linear is None:
+        if backend == "triton":
+            raise ValueError("linear backend 'triton' needs triton installed (pip install triton)")
+        return F.linear(x, weight, bias)
+    return _kernel_linear(x, weight, bias, backend=backend)
 
 
 def padded_size(size: int, tp: int) -> int:
