@@ -52,6 +52,15 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         if backend == "triton":
             raise ValueError("linear backend 'triton' needs triton installed (pip install triton)")
         return F.linear(x, weight, bias)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # What autocast does for F.linear: the GEMM runs in the autocast dtype (the casts
+        # are differentiable, so fp32 weights still get fp32 gradients).
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+        with torch.autocast(device, enabled=False):
+            return _kernel_linear(x, weight, bias, backend=backend)
     return _kernel_linear(x, weight, bias, backend=backend)
 
 
