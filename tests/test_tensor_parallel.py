@@ -24,7 +24,8 @@ from parallel3d.models.llama.parallelize import (apply_tensor_parallel, check_te
                                                  cross_entropy_loss, parallelize_llama)
 from parallel3d.config import ParallelConfig
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                        VocabParallelEmbedding, padded_size,
+                                        VocabParallelEmbedding, gather_from_sequence,
+                                        padded_size, scatter_to_sequence, scatter_to_tp_region,
                                         sync_tensor_parallel_grads,
                                         vocab_parallel_cross_entropy)
 from parallel3d.topology import Topology
@@ -116,6 +117,28 @@ def _gather_output_case(topo) -> dict[str, float]:
             "db": rel(layer.bias.grad, _rows(dense.bias.grad, layer.bias))}
 
 
+def _comm_case(topo) -> dict[str, float]:
+    """The pairs the layers above do not use as built: each rank's loss is its piece of
+    <y, W>, so the summed loss is <x, W> and the gradient of the replicated x is W."""
+    torch.manual_seed(8)
+    x, w = torch.randn(2, 8, 12), torch.randn(2, 8, 12)
+    p, r, errs = topo.tp, topo.tp_rank, {}
+    for name, fn, dim in (("scatter_to_tp_region", scatter_to_tp_region, -1),
+                          ("scatter_to_sequence", scatter_to_sequence, 1)):
+        xi = x.clone().requires_grad_()
+        y = fn(xi, topo.tp_group)
+        (y * w.chunk(p, dim)[r]).sum().backward()
+        errs[f"{name} y"] = rel(y, x.chunk(p, dim)[r])
+        errs[f"{name} dx"] = rel(xi.grad, w)
+    # gather without partial gradients: every rank's dY is the whole gradient; keep mine.
+    xi = x.chunk(p, 1)[r].clone().requires_grad_()
+    y = gather_from_sequence(xi, topo.tp_group, grad_is_partial=False)
+    (y * w).sum().backward()
+    errs["gather_from_sequence y"] = rel(y, x)
+    errs["gather_from_sequence dx"] = rel(xi.grad, w.chunk(p, 1)[r])
+    return errs
+
+
 def _autocast_case(topo) -> dict[str, float]:
     """Under bf16 autocast the parallel layers compute in bf16 like ``nn.Linear`` does."""
     torch.manual_seed(7)
@@ -191,6 +214,7 @@ def check_layers(tp: int, dp: int) -> dict[str, tuple[float, float]]:
     for sp in (False, True):
         for name, e in _embedding_case(sp, topo).items():
             errs[f"embedding sp={sp} {name}"] = e
+    errs.update(_comm_case(topo))
     for vocab in (101, 5):
         for name, e in _cross_entropy_case(topo, vocab).items():
             errs[f"cross_entropy vocab={vocab} {name}"] = e
@@ -204,7 +228,7 @@ def test_layers_equal_their_single_device_twins(pools, tp):
     for rank, errs in enumerate(pools(4).run(check_layers, tp, 4 // tp)):
         bad = {k: e for k, (e, tol) in errs.items() if not e < tol}
         assert not bad, f"rank {rank}, tp={tp}: {bad}"
-        assert len(errs) == 41  # 28 linear, 4 gather_output, 4 embedding, 4 loss, 1 bf16
+        assert len(errs) == 47  # 28 linear, 4 gather_output, 4 embedding, 6 comm, 4 loss, 1 bf16
 
 
 # -- the parallelized Llama --------------------------------------------------------------
@@ -250,6 +274,31 @@ def test_llama_gradients_equal_the_dense_model(pools, tp, sp, tied):
         assert not bad, f"rank {rank}: {bad}"
         n_params = 2 * 9 + 2 - tied + 1  # 9 per layer, embed + lm_head (unless tied), norm
         assert len(errs) == n_params + 2
+
+
+def check_stage_without_ends(tp: int, dp: int, sp: bool) -> dict[str, float]:
+    """A middle pipeline stage (no embedding, final norm or head) maps hidden states to
+    hidden states; under sequence parallelism both are this rank's sequence shard."""
+    topo = _topology(tp, dp)
+    torch.manual_seed(9)
+    dense = Llama(SMALL)
+    torch.manual_seed(9)
+    stage = Llama(SMALL)
+    stage.embed_tokens = stage.norm = stage.lm_head = None
+    apply_tensor_parallel(stage, topo, sequence_parallel=sp)
+    h = torch.randn(2, 8, SMALL.dim)
+    ref = h
+    for layer in dense.layers.values():
+        ref = layer(ref, *dense.rope(8, h.device))
+    h_in = _seq(h, topo, sp).clone().requires_grad_()
+    out = stage(h_in)
+    return {"hidden": rel(out, _seq(ref.detach(), topo, sp))}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_a_stage_without_embedding_and_head_is_split_too(pools, sp):
+    for rank, errs in enumerate(pools(4).run(check_stage_without_ends, 4, 1, sp)):
+        assert errs["hidden"] < RTOL, (rank, errs)
 
 
 # -- acceptance 4: no tensor with the full vocabulary ------------------------------------
