@@ -68,7 +68,7 @@ def _rows(t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
 
 # -- layers ------------------------------------------------------------------------------
 
-def _linear_case(kind: str, sp: bool, bias: bool, topo) -> dict[str, float]:
+def _linear_case(kind: str, sp: bool, bias: bool, topo, backend: str = "auto") -> dict[str, float]:
     """Dense nn.Linear(37 -> 52) vs its column- or row-parallel twin; errors by name."""
     group = topo.tp_group
     torch.manual_seed(1)
@@ -79,14 +79,14 @@ def _linear_case(kind: str, sp: bool, bias: bool, topo) -> dict[str, float]:
     (dense(x) * w_out).sum().backward()
 
     if kind == "column":
-        layer = ColumnParallelLinear.from_dense(dense, group, sequence_parallel=sp)
+        layer = ColumnParallelLinear.from_dense(dense, group, sequence_parallel=sp, backend=backend)
         x_in = _seq(x.detach(), topo, sp).requires_grad_()
         y = layer(x_in)  # (B, S, out/p)
         y_ref = _rows(dense(x).detach().transpose(0, 2), layer.weight).transpose(0, 2)
         dy = _rows(w_out.transpose(0, 2), layer.weight).transpose(0, 2)
         dx_ref = _seq(x.grad, topo, sp)
     else:
-        layer = RowParallelLinear.from_dense(dense, group, sequence_parallel=sp)
+        layer = RowParallelLinear.from_dense(dense, group, sequence_parallel=sp, backend=backend)
         start, stop = layer.weight.p3d_tp_range
         x_in = x.detach()[..., start:stop].clone().requires_grad_()  # (B, S, in/p)
         y = layer(x_in)  # (B, S, out) or (B, S/p, out)
@@ -168,7 +168,7 @@ def _embedding_case(sp: bool, topo) -> dict[str, float]:
             "dw": rel(layer.weight.grad, _rows(dense.weight.grad, layer.weight))}
 
 
-def _cross_entropy_case(topo, vocab: int) -> dict[str, float]:
+def _cross_entropy_case(topo, vocab: int, backend: str = "auto") -> dict[str, float]:
     torch.manual_seed(4)
     padded = padded_size(vocab, topo.tp)  # vocab 5 at tp=4: rank 3 holds only padding
     logits = torch.randn(3, 7, vocab) * 3  # (B, S, V), odd S
@@ -183,7 +183,7 @@ def _cross_entropy_case(topo, vocab: int) -> dict[str, float]:
     v = padded // topo.tp
     mine = padded_logits[..., topo.tp_rank * v:(topo.tp_rank + 1) * v].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(mine, targets, vocab_start=topo.tp_rank * v,
-                                        vocab_size=vocab, group=topo.tp_group)
+                                        vocab_size=vocab, group=topo.tp_group, backend=backend)
     (loss * weights).sum().backward()
     grad_ref = F.pad(full.grad, (0, padded - vocab))[..., topo.tp_rank * v:(topo.tp_rank + 1) * v]
     errs = {"loss": rel(loss, ref)}
@@ -229,6 +229,34 @@ def test_layers_equal_their_single_device_twins(pools, tp):
         bad = {k: e for k, (e, tol) in errs.items() if not e < tol}
         assert not bad, f"rank {rank}, tp={tp}: {bad}"
         assert len(errs) == 47  # 28 linear, 4 gather_output, 4 embedding, 6 comm, 4 loss, 1 bf16
+
+
+def check_triton_path(tp: int, dp: int) -> dict[str, float]:
+    """The layers and the loss with backend="triton" (in a pool under TRITON_INTERPRET=1)."""
+    topo = _topology(tp, dp)
+    errs = {}
+    for kind in ("column", "row"):
+        for name, e in _linear_case(kind, True, True, topo, backend="triton").items():
+            errs[f"{kind} {name}"] = e
+    for vocab in (101, 5):
+        for name, e in _cross_entropy_case(topo, vocab, backend="triton").items():
+            errs[f"cross_entropy vocab={vocab} {name}"] = e
+    return errs
+
+
+def test_triton_kernels_inside_the_parallel_layers_under_the_interpreter():
+    """The Triton GEMM and cross-entropy kernels as the parallel layers call them, at
+    tp=4, on the CPU interpreter (a pool of its own: triton reads TRITON_INTERPRET once,
+    at import). tp=2 runs the same code on the torch path above."""
+    from parallel3d.testing import ProcessGroupPool
+
+    pool = ProcessGroupPool(4, env={"TRITON_INTERPRET": "1"})
+    try:
+        for rank, errs in enumerate(pool.run(check_triton_path, 4, 1)):
+            bad = {k: e for k, e in errs.items() if not e < RTOL}
+            assert not bad and len(errs) == 12, f"rank {rank}: {bad or errs}"
+    finally:
+        pool.close()
 
 
 # -- the parallelized Llama --------------------------------------------------------------

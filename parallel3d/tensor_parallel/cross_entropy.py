@@ -4,13 +4,15 @@ Rank r holds the logits of vocabulary rows ``[start_r, start_r + v)``, (N, v), v
 Columns at or past the true vocabulary size (padding up to a multiple of p) are left out
 of every sum, as if they were -inf. For token i with target t_i::
 
-    m_i   = max_j z_ij                 all-reduce MAX of each rank's local max    (N,)
-    s_i   = sum_j exp(z_ij - m_i)      all-reduce SUM of local sums               (N,)
-    z_it  = z_i,t_i                    all-reduce SUM (only the owner of t_i adds it)
+    local    m_ir, s_ir = max, sum exp(z - m_ir) over my columns; z_it if t_i is mine
+    MAX      m_i  = max_r m_ir                                     all-reduce of N floats
+    SUM      s_i  = sum_r s_ir exp(m_ir - m_i),  z_it = sum_r z_it  one all-reduce of 2N
     loss_i = log s_i + m_i - z_it
-    dloss_i/dz_ij = softmax_ij - [j == t_i]   computed on the local (N, v) shard only
+    dloss_i/dz_ij = exp(z_ij - m_i) / s_i - [j == t_i]    on the local (N, v) shard only
 
-Three all-reduces of N floats cross the wire; nothing of size V is allocated anywhere.
+The local passes are ``parallel3d.kernels.cross_entropy`` (one fused Triton pass each on
+CUDA, the torch reference on CPU). The forward saves the logits and two N-vectors, not
+the softmax; nothing of size V is allocated anywhere.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import group_size
+
+from parallel3d.kernels.cross_entropy import ce_local_grad, ce_local_stats
 
 
 def _all_reduce(t: torch.Tensor, group, op) -> torch.Tensor:
@@ -29,56 +33,40 @@ def _all_reduce(t: torch.Tensor, group, op) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
-        n, v = logits.shape  # (N, v): this rank's columns
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group, backend):
+        v = logits.shape[1]  # (N, v): this rank's columns
         valid = max(0, min(v, vocab_size - vocab_start))  # columns past vocab_size are padding
-        z = logits[:, :valid].float()  # (N, valid); a view when logits are already fp32
-        if valid > 0:
-            m = z.max(dim=-1).values  # (N,)
-        else:
-            m = torch.full((n,), float("-inf"), device=logits.device)
-        _all_reduce(m, group, dist.ReduceOp.MAX)
-
-        probs = torch.exp(z - m.unsqueeze(1))  # (N, valid), exp-shifted, softmax after /s
-        s = _all_reduce(probs.sum(dim=-1), group, dist.ReduceOp.SUM)  # (N,)
-
-        local = targets - vocab_start  # (N,)
-        mine = (local >= 0) & (local < valid)
-        local = local.clamp(0, max(valid - 1, 0))
-        if valid > 0:
-            z_t = z.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(~mine, 0.0)
-        else:
-            z_t = torch.zeros(n, device=logits.device)
-        _all_reduce(z_t, group, dist.ReduceOp.SUM)
-
-        loss = torch.log(s) + m - z_t  # (N,)
-        probs.div_(s.unsqueeze(1))
-        ctx.save_for_backward(probs, local, mine)
-        ctx.v, ctx.dtype = v, logits.dtype
-        return loss
+        local = targets - vocab_start  # (N,), outside [0, valid) when another rank owns it
+        m_mine, s_mine, z_t = ce_local_stats(logits, local, valid, backend)  # (N,) fp32 each
+        m = _all_reduce(m_mine.clone(), group, dist.ReduceOp.MAX)
+        rescale = torch.exp(m_mine - m).masked_fill(m_mine == float("-inf"), 0.0)
+        summed = _all_reduce(torch.stack([s_mine * rescale, z_t]), group, dist.ReduceOp.SUM)
+        s, z_t = summed[0], summed[1]
+        ctx.save_for_backward(logits, local, m, s)
+        ctx.valid, ctx.backend = valid, backend
+        return torch.log(s) + m - z_t  # (N,)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        probs, local, mine = ctx.saved_tensors
-        grad = probs  # reused in place: the saved softmax is needed by nobody else
-        if grad.shape[1] > 0:
-            grad.scatter_add_(1, local.unsqueeze(1), -mine.to(grad.dtype).unsqueeze(1))
-        grad.mul_(grad_loss.unsqueeze(1))  # (N, valid)
-        if grad.shape[1] < ctx.v:  # padding columns get zero gradient
-            grad = torch.nn.functional.pad(grad, (0, ctx.v - grad.shape[1]))
-        return grad.to(ctx.dtype), None, None, None, None
+        logits, local, m, s = ctx.saved_tensors
+        grad = ce_local_grad(logits, local, ctx.valid, m, s, grad_loss, ctx.backend)  # (N, v)
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
-                                 vocab_start: int, vocab_size: int, group) -> torch.Tensor:
+                                 vocab_start: int, vocab_size: int, group,
+                                 backend: str = "auto") -> torch.Tensor:
     """Per-token loss (shape of ``targets``) from this rank's logit columns.
 
     logits (..., v): columns ``[vocab_start, vocab_start + v)`` of the full (..., Vp);
     targets (...): global token ids < ``vocab_size``; group: the tp group holding the
     other columns. Equals ``F.cross_entropy(full_logits[..., :vocab_size], targets,
-    reduction="none")``.
+    reduction="none")``. backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
     """
     v = logits.shape[-1]
-    loss = _VocabParallelCrossEntropy.apply(logits.reshape(-1, v), targets.reshape(-1),
-                                            vocab_start, vocab_size, group)
+    z = logits.reshape(-1, v)
+    if v > 1 and z.stride(1) != 1:
+        z = z.contiguous()
+    loss = _VocabParallelCrossEntropy.apply(z, targets.reshape(-1), vocab_start, vocab_size,
+                                            group, backend)
     return loss.view(targets.shape)
