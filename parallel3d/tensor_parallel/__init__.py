@@ -4,6 +4,7 @@
     layers.py         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     cross_entropy.py  cross-entropy over vocabulary-split logits, never gathered
     grad_sync.py      summing gradients of parameters held by several tp ranks
+    init.py           counter-based init of shards without the full tensor; materialize_
 
 Every function and layer takes its process group explicitly (``topo.tp_group``).
 """

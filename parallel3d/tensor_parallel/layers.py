@@ -20,6 +20,9 @@ know (the gradient sync below, the global grad norm, ZeRO, checkpoints):
                         ``global_grad_norm`` counts it once
 
 The matmul goes through :func:`_linear`, the one place that chooses the kernel.
+A layer built by its constructor has uninitialised weights (``torch.empty``, like any
+meta-device build): take the slices of a dense layer with ``from_dense``, or fill the
+shards with :func:`parallel3d.tensor_parallel.init.counter_normal_`.
 """
 
 from __future__ import annotations
