@@ -1,6 +1,6 @@
 """Measured pipeline bubble against theory, for gpipe, 1f1b and interleaved.
 
-    python benchmarks/bench_pipeline.py [--pp 4] [--micro-batches 8] [--t-fwd 0.02] [--steps 5]
+    python benchmarks/bench_pipeline.py [--pp 4] [--micro-batches 8] [--t-fwd 0.1] [--steps 3]
 
 A balanced synthetic workload (``parallel3d.pipeline.synthetic``): every stage's forward
 sleeps ``t_fwd`` and its backward ``2 t_fwd``; with ``v`` virtual stages each chunk sleeps
@@ -53,8 +53,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--t-fwd", type=float, default=0.02, help="forward seconds per stage")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--t-fwd", type=float, default=0.1, help="forward seconds per stage")
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     p, m = args.pp, args.micro_batches
     pool = ProcessGroupPool(p)

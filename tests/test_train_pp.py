@@ -142,7 +142,7 @@ def _check_trace(path, world: int, pp: int, m: int, steps: int) -> None:
         assert e["ts"] >= 0 and e["dur"] >= 0 and e["pid"] in range(world) and e["tid"] in (0, 1)
     # Every forward and backward of every chunk and micro-batch, once per recorded step.
     work = sorted((e["pid"], e["args"]["step"], e["name"]) for e in spans if e["cat"] in ("forward", "backward"))
-    want = sorted((r, s, f"{op}{r}.{i}") for r in range(pp) for s in range(steps)
+    want = sorted((r, s, f"{op}{r}.{i}") for r in range(pp) for s in range(1, steps + 1)
                   for op in "FB" for i in range(m))
     assert work == want
     # Spans of one lane never overlap (a lane is one sequence of things on one rank).
@@ -174,12 +174,13 @@ def _bubbles(name: str, v: int, m: int, t_fwd: float, steps: int) -> list[float]
 
 def test_measured_bubble_follows_theory(pools):
     """Balanced sleeping stages (so core contention cannot distort them): 1F1B's measured
-    bubble is near (p-1)/(m+p-1); interleaving 2 chunks measures smaller. Loose bounds:
-    scheduling latency on a shared 2-core machine adds idle time; benchmarks/bench_pipeline.py
-    is the measurement."""
-    m, t_fwd = 4, 0.02
-    one_f = statistics.median(pools(2).run(_bubbles, "1f1b", 1, m, t_fwd, 4)[0][1:])
-    inter = statistics.median(pools(2).run(_bubbles, "interleaved", 2, m, t_fwd, 4)[0][1:])
+    bubble is near (p-1)/(m+p-1); interleaving 2 chunks measures smaller. The bounds are
+    loose because a loaded 2-core machine adds wake-up latency (measured: 1F1B 0.206-0.216
+    against 0.2, interleaved 0.13-0.15 against 0.111); benchmarks/bench_pipeline.py is the
+    measurement. 40 ms stages keep those milliseconds small against the work."""
+    m, t_fwd, steps = 4, 0.04, 4
+    one_f = statistics.median(pools(2).run(_bubbles, "1f1b", 1, m, t_fwd, steps)[0][1:])
+    inter = statistics.median(pools(2).run(_bubbles, "interleaved", 2, m, t_fwd, steps)[0][1:])
     theory = theoretical_bubble("1f1b", 2, 1, m)  # 1/5
-    assert 0.9 * theory < one_f < theory + 0.1, one_f
-    assert theoretical_bubble("interleaved", 2, 2, m) * 0.9 < inter < one_f, (inter, one_f)
+    assert 0.8 * theory < one_f < 1.5 * theory, one_f
+    assert 0.8 * theoretical_bubble("interleaved", 2, 2, m) < inter < one_f, (inter, one_f)

@@ -6,6 +6,7 @@
 * ``p2p``: batched send/receive between neighbouring stages.
 * ``runtime``: :class:`PipelineSchedule`, what the trainer calls each step.
 * ``timeline``: spans per rank, the bubble fraction, the merged Chrome trace.
+* ``synthetic``: fixed-cost chunks for measuring schedules (benchmark, tests).
 """
 
 from .runtime import PipelineSchedule, build_schedule

@@ -50,23 +50,44 @@ class StageComm:
                  dtype: torch.dtype, device: torch.device):
         self.group, self.pp_ranks = pp_group, pp_ranks
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self._sending: list = []  # (work, tensor) of the previous batch's sends
 
     def exchange(self, sends: list[tuple[Message, torch.Tensor]],
                  recvs: list[Message]) -> list[torch.Tensor]:
-        """Post every send and receive of one batch, wait for all; return the received
-        tensors in the order of ``recvs``."""
-        ops, bufs = [], []
+        """Post every send and receive of one batch and wait for the receives; return the
+        received tensors in the order of ``recvs``.
+
+        The sends are waited for one batch later (after this batch's receives), so a rank
+        goes on computing while its output travels instead of waiting for the receiver to
+        reach its receive. Waiting later never makes an operation start later than in
+        the wait-for-everything model the simulator checks, so that model's proof of
+        deadlock freedom carries over; at most one batch of sent tensors stays alive."""
+        ops, bufs, outgoing = [], [], []
         for msg, tensor in sends:
             # The fixed shape is the contract with the receiver: check it here, where a
             # wrong shape is an internal bug, rather than let the peer read garbage.
             assert tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype, \
                 (msg, tuple(tensor.shape), tensor.dtype, self.shape, self.dtype)
-            ops.append(dist.P2POp(dist.isend, tensor.contiguous(), self.pp_ranks[msg.dst], self.group))
+            tensor = tensor.contiguous()
+            ops.append(dist.P2POp(dist.isend, tensor, self.pp_ranks[msg.dst], self.group))
+            outgoing.append(tensor)
         for msg in recvs:
             buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
             ops.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[msg.src], self.group))
             bufs.append(buf)
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        works = dist.batch_isend_irecv(ops) if ops else []
+        if len(works) == len(ops):  # one handle per operation (gloo): sends listed first
+            receiving, sending = works[len(outgoing):], works[:len(outgoing)]
+        else:  # one handle for the coalesced batch (NCCL), whose wait only orders streams
+            receiving, sending = works, []
+        for work in receiving:
+            work.wait()
+        self.flush()
+        self._sending = list(zip(sending, outgoing))  # keeps each tensor alive until sent
         return bufs
+
+    def flush(self) -> None:
+        """Wait for the sends still in flight (the runtime calls it at the end of a step)."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending = []

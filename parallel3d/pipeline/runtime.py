@@ -70,15 +70,21 @@ class PipelineSchedule:
         steps = plan(self.name, self.pp, self.v, len(micro_batches), self.topo.pp_rank)
         batches = exchanges(steps, self.pp, self.n_chunks)
         self._synchronize()
-        self.timeline.start_step(self.steps_run)
+        self.timeline.start_step(self.steps_run + 1)  # numbered from 1, as in metrics.jsonl
         st = _StepState(micro_batches, loss=torch.zeros((), dtype=torch.float32, device=self.device))
         self.peak_alive = 0
         self._exchange(batches[0], st)
         for step, batch in zip(steps, batches[1:]):
             for action in step:
-                self._forward(action, st) if action.op == "F" else self._backward(action, st)
+                if action.op == "F":
+                    self._forward(action, st)
+                else:
+                    self._backward(action, st)
             self._exchange(batch, st)
         assert not st.stash and not st.inbox and not st.outbox, "plan left work undone"
+        if self.comm is not None:
+            with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
+                self.comm.flush()
         self._reduce_tied_gradients()
         loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
         self.timeline.close_window()

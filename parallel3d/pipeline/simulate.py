@@ -11,6 +11,9 @@ It reports a deadlock (every rank waiting) and any mismatch (the k-th message se
 rank a to rank b is not the one b expects as its k-th), and, with fixed costs for a
 forward and a backward, the ideal timeline: when each action runs, the step's makespan,
 the bubble of every stage and the peak number of micro-batches alive on it.
+
+The runtime waits for its sends one batch later than this model (``p2p.StageComm``); that
+only lets operations start earlier, so a plan that passes here runs there too.
 """
 
 from __future__ import annotations
@@ -42,71 +45,92 @@ class SimResult:
 def simulate(name: str, pp: int, v: int, m: int, t_fwd: float = 1.0, t_bwd: float = 2.0) -> SimResult:
     """Run schedule ``name`` on ``pp`` simulated ranks; raise :class:`ScheduleError` on a
     deadlock or a mismatched message. ``t_fwd``/``t_bwd`` are the costs of one chunk."""
-    n_chunks = pp * v
     steps = [plan(name, pp, v, m, r) for r in range(pp)]
-    batches = [exchanges(s, pp, n_chunks) for s in steps]
     _check_coverage(steps, pp, v, m)
-
-    now = [0.0] * pp  # when each rank finished its last computation
-    pos = [0] * pp  # index of the batch each rank is in (posted, not complete)
-    posted = [False] * pp
-    sends: dict[tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> [(msg, time)]
-    recvs: dict[tuple[int, int], deque] = defaultdict(deque)
-    pending = [0] * pp  # operations of the current batch not yet matched
-    done_at = [0.0] * pp  # latest match time in the current batch
-    alive, peak = [0] * pp, [0] * pp
-    busy = [0.0] * pp
-    runs: list[list] = [[] for _ in range(pp)]
-
-    def post(r: int) -> None:
-        snd, rcv = batches[r][pos[r]]
-        for msg in snd:
-            sends[(msg.src, msg.dst)].append((msg, now[r]))
-        for msg in rcv:
-            recvs[(msg.src, msg.dst)].append((msg, now[r]))
-        pending[r] = len(snd) + len(rcv)
-        done_at[r] = now[r]
-        posted[r] = True
-
-    finished = 0
-    while finished < pp:
-        progress = False
-        for r in range(pp):
-            if pos[r] < len(batches[r]) and not posted[r]:
-                post(r)
-                progress = True
-        for key in list(sends):
-            while sends[key] and recvs[key]:
-                (sent, t_s), (expected, t_r) = sends[key].popleft(), recvs[key].popleft()
-                if sent != expected:
-                    raise ScheduleError(f"{name} pp={pp} v={v} m={m}: rank {key[0]} sends "
-                                        f"{sent} while rank {key[1]} expects {expected}")
-                t = max(t_s, t_r)
-                for rank in key:
-                    pending[rank] -= 1
-                    done_at[rank] = max(done_at[rank], t)
-                progress = True
-        for r in range(pp):
-            if posted[r] and pending[r] == 0:
-                now[r] = done_at[r]
-                step_index = pos[r]
-                posted[r] = False
-                pos[r] += 1
-                if step_index < len(steps[r]):
-                    for a in steps[r][step_index]:
-                        cost = t_fwd if a.op == "F" else t_bwd
-                        runs[r].append((str(a), now[r], now[r] + cost))
-                        now[r] += cost
-                        busy[r] += cost
-                        alive[r] += 1 if a.op == "F" else -1
-                        peak[r] = max(peak[r], alive[r])
-                else:
-                    finished += 1
-                progress = True
+    sim = _Simulation(steps, pp * v, t_fwd, t_bwd, f"{name} pp={pp} v={v} m={m}")
+    while not sim.finished():
+        # `|` rather than `or`: all three run each round.
+        progress = sim.post_batches() | sim.match_messages() | sim.complete_batches()
         if not progress:
-            waiting = {r: batches[r][pos[r]] for r in range(pp) if pos[r] < len(batches[r])}
-            raise ScheduleError(f"{name} pp={pp} v={v} m={m} deadlocks: ranks wait on {waiting}")
-    return SimResult(makespan=max(now), busy=busy, peak_alive=peak, runs=runs)
+            waiting = {r: sim.batches[r][sim.pos[r]] for r in range(pp) if not sim.done(r)}
+            raise ScheduleError(f"{sim.label} deadlocks: ranks wait on {waiting}")
+    return SimResult(makespan=max(sim.now), busy=sim.busy, peak_alive=sim.peak, runs=sim.runs)
+
+
+class _Simulation:
+    """The state of every simulated rank: which batch it is in, and the clock."""
+
+    def __init__(self, steps, n_chunks: int, t_fwd: float, t_bwd: float, label: str):
+        pp = len(steps)
+        self.steps, self.label = steps, label
+        self.cost = {"F": t_fwd, "B": t_bwd}
+        self.batches = [exchanges(s, pp, n_chunks) for s in steps]
+        self.now = [0.0] * pp  # when each rank finished its last computation
+        self.pos = [0] * pp  # the batch each rank is in
+        self.posted = [False] * pp  # has it posted that batch's operations yet
+        self.pending = [0] * pp  # operations of that batch not yet matched
+        self.done_at = [0.0] * pp  # latest match time in that batch
+        self.sends: dict[tuple[int, int], deque] = defaultdict(deque)  # (src, dst) -> (msg, time)
+        self.recvs: dict[tuple[int, int], deque] = defaultdict(deque)
+        self.alive, self.peak, self.busy = [0] * pp, [0] * pp, [0.0] * pp
+        self.runs: list[list] = [[] for _ in range(pp)]
+
+    def done(self, r: int) -> bool:
+        return self.pos[r] == len(self.batches[r])
+
+    def finished(self) -> bool:
+        return all(self.done(r) for r in range(len(self.now)))
+
+    def post_batches(self) -> bool:
+        """Every rank between batches posts its next one."""
+        progress = False
+        for r in range(len(self.now)):
+            if not self.done(r) and not self.posted[r]:
+                snd, rcv = self.batches[r][self.pos[r]]
+                for msg in snd:
+                    self.sends[(msg.src, msg.dst)].append((msg, self.now[r]))
+                for msg in rcv:
+                    self.recvs[(msg.src, msg.dst)].append((msg, self.now[r]))
+                self.pending[r], self.done_at[r] = len(snd) + len(rcv), self.now[r]
+                self.posted[r] = progress = True
+        return progress
+
+    def match_messages(self) -> bool:
+        """Pair posted sends and receives per channel, in posting order."""
+        progress = False
+        for key in list(self.sends):
+            while self.sends[key] and self.recvs[key]:
+                (sent, t_s), (expected, t_r) = self.sends[key].popleft(), self.recvs[key].popleft()
+                if sent != expected:
+                    raise ScheduleError(f"{self.label}: rank {key[0]} sends {sent} while rank "
+                                        f"{key[1]} expects {expected}")
+                for rank in key:
+                    self.pending[rank] -= 1
+                    self.done_at[rank] = max(self.done_at[rank], t_s, t_r)
+                progress = True
+        return progress
+
+    def complete_batches(self) -> bool:
+        """A rank whose batch is fully matched runs its next step."""
+        progress = False
+        for r in range(len(self.now)):
+            if self.posted[r] and self.pending[r] == 0:
+                self.now[r] = self.done_at[r]
+                step = self.pos[r]
+                self.posted[r], self.pos[r] = False, step + 1
+                if step < len(self.steps[r]):
+                    for a in self.steps[r][step]:
+                        self._compute(r, a)
+                progress = True
+        return progress
+
+    def _compute(self, r: int, a) -> None:
+        cost = self.cost[a.op]
+        self.runs[r].append((str(a), self.now[r], self.now[r] + cost))
+        self.now[r] += cost
+        self.busy[r] += cost
+        self.alive[r] += 1 if a.op == "F" else -1
+        self.peak[r] = max(self.peak[r], self.alive[r])
 
 
 def _check_coverage(steps, pp: int, v: int, m: int) -> None:
