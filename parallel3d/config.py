@@ -48,7 +48,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """The layout: tensor x pipeline x data parallel degrees (tp innermost)."""
+    """The layout: tensor x pipeline x data parallel degrees (tp innermost), and how the
+    pipeline runs (see ``parallel3d/pipeline``)."""
 
     tp: int = 1
     pp: int = 1
@@ -58,6 +59,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # GEMM of the tensor-parallel layers: auto (Triton on CUDA, torch on CPU), triton, torch.
     linear_backend: str = "auto"
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2)
+    pp_layers: list[int] | None = None  # layers per chunk, by hand; default: the balanced rule
 
 
 @dataclass
@@ -99,6 +103,7 @@ class LaunchConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/debug"
+    trace_steps: int = 0  # write the first N steps' timeline to RUN_DIR/trace.json (0: off)
 
 
 @dataclass

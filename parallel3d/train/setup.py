@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from parallel3d.config import JobConfig, ModelConfig
-from parallel3d.errors import UserError
+from parallel3d.errors import UserError, did_you_mean
 from parallel3d.models.llama import LlamaConfig, config_from_preset
 from parallel3d.models.llama.parallelize import check_tensor_parallel
+from parallel3d.pipeline.partition import check_split
+from parallel3d.pipeline.schedules import SCHEDULES
 from parallel3d.topology import validate_layout
 
 
@@ -51,6 +53,9 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if model.n_layers < par.pp:
         raise UserError(f"model.n_layers {model.n_layers} is fewer than parallel.pp {par.pp}: "
                         "every pipeline stage needs at least one layer")
+    if par.virtual_stages < 1:
+        raise UserError(f"parallel.virtual_stages must be >= 1, got {par.virtual_stages}")
+    check_split(model.n_layers, par.pp, par.virtual_stages, par.pp_layers)
     per_step = train.micro_batch * par.dp
     if train.global_batch % per_step:
         raise UserError(
@@ -62,5 +67,29 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
             f"{n_micro} micro-batches per step (train.global_batch {train.global_batch} / "
             f"(micro_batch {train.micro_batch} * dp {par.dp})) is fewer than parallel.pp "
             f"{par.pp}: raise train.global_batch or lower train.micro_batch")
+    check_pipeline(cfg, n_micro)
+    if cfg.run.trace_steps < 0:
+        raise UserError(f"run.trace_steps must be >= 0 (0: no trace), got {cfg.run.trace_steps}")
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+
+
+def check_pipeline(cfg: JobConfig, n_micro: int) -> None:
+    """The schedule's name and what it needs of the stages and micro-batches."""
+    par = cfg.parallel
+    if par.schedule not in SCHEDULES:
+        raise UserError(f"parallel.schedule '{par.schedule}' is unknown{did_you_mean(par.schedule, SCHEDULES)}: "
+                        f"use one of {', '.join(SCHEDULES)}")
+    if par.schedule == "interleaved":
+        if par.pp < 2 or par.virtual_stages < 2:
+            raise UserError(f"parallel.schedule 'interleaved' needs parallel.pp >= 2 and "
+                            f"parallel.virtual_stages >= 2, got pp {par.pp} and virtual_stages "
+                            f"{par.virtual_stages}: raise them or use schedule '1f1b'")
+        if n_micro % par.pp:
+            raise UserError(f"the interleaved schedule needs the micro-batches per step ({n_micro} = "
+                            f"train.global_batch {cfg.train.global_batch} / (micro_batch "
+                            f"{cfg.train.micro_batch} * dp {par.dp})) to be a multiple of "
+                            f"parallel.pp {par.pp}: change train.global_batch or train.micro_batch")
+    elif par.virtual_stages != 1:
+        raise UserError(f"parallel.virtual_stages {par.virtual_stages} needs parallel.schedule "
+                        f"'interleaved' (schedule '{par.schedule}' runs one chunk per stage)")

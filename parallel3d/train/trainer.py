@@ -7,6 +7,9 @@ never branches on which kinds of parallelism are on. One step::
     loss = schedule.run(micro_batches)                  # forward + backward, grads summed
     grad_norm = optimizer.step(lr)                      # dp sync, global clip, AdamW
 
+The schedule is the pipeline schedule (``parallel3d.pipeline``); with ``pp = 1`` it is the
+plain loop, forward and backward of each micro-batch in turn.
+
 The loss of a step is the mean over every token of the global batch: each micro-batch's
 mean is divided by the number of micro-batches, and the data-parallel ranks average.
 """
@@ -24,33 +27,15 @@ from parallel3d.config import JobConfig
 from parallel3d.distributed import all_reduce, local_rank
 from parallel3d.errors import UserError
 from parallel3d.models.llama import Llama
-from parallel3d.models.llama.parallelize import parallelize_llama
+from parallel3d.models.llama.parallelize import activation_shape, parallelize_llama
+from parallel3d.pipeline import build_schedule
+from parallel3d.pipeline.timeline import write_trace
 from parallel3d.tensor_parallel import sync_tensor_parallel_grads
 from parallel3d.topology import Topology
 from parallel3d.train.data import GlobalBatchSampler, TokenWindows, prepare_corpus
 from parallel3d.train.metrics import MetricsLogger
 from parallel3d.train.optim import DataParallelOptimizer, lr_at
 from parallel3d.train.setup import check_job, resolve_model_config
-
-
-class MicroBatchLoop:
-    """The schedule without pipeline parallelism: forward and backward each micro-batch
-    in turn, gradients accumulating in ``.grad``. Returns the step's mean loss on this
-    rank (a detached scalar)."""
-
-    def __init__(self, model, loss_fn, autocast):
-        self.model, self.loss_fn, self.autocast = model, loss_fn, autocast
-
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        n = len(micro_batches)
-        total = torch.zeros((), dtype=torch.float32)
-        for inputs, targets in micro_batches:
-            with self.autocast():
-                logits = self.model(inputs)
-            loss = self.loss_fn(logits, targets) / n
-            loss.backward()
-            total += loss.detach().float().cpu()
-        return total
 
 
 def _autocast_for(cfg: JobConfig, device: torch.device):
@@ -76,7 +61,12 @@ class Trainer:
         self.model, self.loss_fn = parallelize_llama(model, topo, cfg.parallel)
         self.model.to(self.device)
         self.optimizer = DataParallelOptimizer(list(self.model.parameters()), cfg.train, topo)
-        self.schedule = MicroBatchLoop(self.model, self.loss_fn, _autocast_for(cfg, self.device))
+        self.schedule = build_schedule(
+            self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
+            activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch,
+                                              cfg.train.seq_len, topo.tp,
+                                              cfg.parallel.sequence_parallel),
+            autocast=_autocast_for(cfg, self.device), record_steps=cfg.run.trace_steps)
         self.sampler = GlobalBatchSampler(
             self.windows.num_samples, cfg.train.global_batch, cfg.train.micro_batch,
             topo.dp, topo.dp_rank, cfg.train.seed)
@@ -117,15 +107,19 @@ class Trainer:
         loss = self.schedule.run(self._micro_batches(self.step))
         # Parameters held by several tp ranks with partial gradients (norms under sequence
         # parallelism, replicated kv-heads): sum them; a no-op for any other layout.
-        sync_tensor_parallel_grads(self.model.parameters(), self.topo)
-        grad_norm = self.optimizer.step(lr)
+        with self.schedule.timeline.span("optimizer", "optimizer"):
+            sync_tensor_parallel_grads(self.model.parameters(), self.topo)
+            grad_norm = self.optimizer.step(lr)
         loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
         self._sync()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
-        return {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": tokens / dt, "step_time_s": dt}
+        record = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics()}
+        if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
+            write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
+        return record
 
     def fit(self) -> list[dict]:
         history = []
