@@ -40,6 +40,7 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.dtype '{train.dtype}' is not supported: use auto, fp32 or bf16")
     validate_layout(par.tp, par.pp, par.dp, world_size)
+    check_memory_options(cfg)
     if model.n_heads % par.tp:
         raise UserError(f"model.n_heads {model.n_heads} is not divisible by parallel.tp {par.tp}: "
                         "choose a tp that divides the number of heads")
@@ -62,3 +63,18 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
             f"{par.pp}: raise train.global_batch or lower train.micro_batch")
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+
+
+def check_memory_options(cfg: JobConfig) -> None:
+    """ZeRO, optimizer offload and activation recomputation settings."""
+    par, train = cfg.parallel, cfg.train
+    if par.zero not in (0, 1, 2):
+        raise UserError(f"parallel.zero must be 0, 1 or 2, got {par.zero}")
+    if par.offload_optimizer and par.zero == 0:
+        raise UserError("parallel.offload_optimizer needs the sharded optimizer: "
+                        "set parallel.zero=1 or 2 (or parallel.offload_optimizer=false)")
+    if par.bucket_mb <= 0:
+        raise UserError(f"parallel.bucket_mb must be positive, got {par.bucket_mb}")
+    if train.recompute not in ("none", "full", "selective"):
+        raise UserError(f"train.recompute '{train.recompute}' is not supported: "
+                        "use none, full or selective")
