@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import json
+
 import pytest
 import torch
 
@@ -55,6 +58,12 @@ def test_zero_stages_match_zero0(pools, corpus_dir, tmp_path, dp):
         # 20 steps is the bar, as for dp vs single process.
         assert relative_diff([l for l, _ in runs[zero]], ref_loss) < 1e-5, zero
         assert relative_diff([n for _, n in runs[zero]], ref_norm) < 1e-4, zero
+    # the run logged every rank's memory after step 1 (memory.json, written by rank 0)
+    memory = {z: json.loads((tmp_path / f"z{z}" / "memory.json").read_text()) for z in (0, 2)}
+    assert [r["dp"] for r in memory[2]] == list(range(dp))
+    for r0, r2 in zip(memory[0], memory[2]):
+        assert r2["optimizer_state"] < r0["optimizer_state"] / dp * 1.05
+        assert r2["grads"] < r0["grads"] / dp * 1.05
 
 
 def _bf16_losses(job: dict, dp: int) -> list[float]:
@@ -194,3 +203,37 @@ def test_bad_options_are_refused(overrides, message):
     cfg = config_from_dict(overrides)
     with pytest.raises(UserError, match=message):
         check_job(cfg, resolve_model_config(cfg.model), 1)
+
+
+def test_state_dict_round_trip():
+    """Resuming from (model weights, optimizer shard) continues exactly like not stopping;
+    bf16 parameters so that the separate fp32 master weights travel in the state too."""
+    def batch(step):
+        return torch.randint(0, 509, (2, 16), generator=torch.Generator().manual_seed(step))
+
+    def train(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            x = batch(step)
+            torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+            opt.step(1e-2)
+
+    def fresh():
+        model = _tiny_model()
+        return model, ZeroOptimizer(model.parameters(), TrainConfig(), Topology.single(), stage=2,
+                                    bucket_mb=SMALL_BUCKET_MB, param_dtype=torch.bfloat16, model=model)
+
+    model, opt = fresh()
+    train(model, opt, range(3))
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())  # like torch's, it holds live references
+    train(model, opt, range(3, 5))
+    resumed_model, resumed_opt = fresh()
+    resumed_model.load_state_dict(saved_model)
+    resumed_opt.load_state_dict(saved_opt)
+    train(resumed_model, resumed_opt, range(3, 5))
+    for (name, a), b in zip(model.state_dict().items(), resumed_model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="saved for dp=1"):
+        ZeroOptimizer(_tiny_model().parameters(), TrainConfig(), Topology.single(), stage=2,
+                      bucket_mb=1.0).load_state_dict(saved_opt)

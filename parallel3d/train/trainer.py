@@ -148,11 +148,11 @@ class Trainer:
         while self.step < self.cfg.train.steps:
             record = self.train_step()
             history.append(record)
-            if self.step == 1:  # every buffer exists after the first step
-                self._log_memory()
             if self.metrics is not None:
                 self.metrics.log(record, console=record["step"] % self.cfg.train.log_interval == 0
                                  or record["step"] == self.cfg.train.steps)
+            if self.step == 1:  # every buffer exists after the first step
+                self._log_memory()
         if self.metrics is not None:
             self.metrics.close()
         return history
