@@ -117,8 +117,10 @@ class Trainer:
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
         loss = self.schedule.run(self._micro_batches(self.step))
-        grad_norm = self.optimizer.step(lr)
+        # before the step: the sharded optimizer ends its step by issuing asynchronous
+        # all-gathers on the dp group, which this collective would otherwise queue behind
         loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
+        grad_norm = self.optimizer.step(lr)
         self._sync()
         dt = time.perf_counter() - t0
         self.step += 1

@@ -28,21 +28,21 @@ from parallel3d.errors import UserError
 
 class FlatAdamW:
     """AdamW over per-bucket master shards ``masters[b]`` and one flat gradient ``grad``
-    (the buckets' shards back to back, ``grad_views[b]`` aligned with ``masters[b]``).
+    (the buckets' shards back to back, ``masters[b]`` matching ``grad[offsets[b]:]``).
 
     ``decay_views`` are the pieces of the masters whose parameters take weight decay."""
 
-    def __init__(self, masters: list[torch.Tensor], grad: torch.Tensor, grad_views: list[torch.Tensor],
+    def __init__(self, masters: list[torch.Tensor], grad: torch.Tensor, offsets: list[int],
                  decay_views: list[torch.Tensor], cfg: TrainConfig):
         self.cfg = cfg
         self.masters, self.grad, self.decay_views = masters, grad, decay_views
+        self.offsets = offsets  # where masters[b] sits in grad (and in the moments)
         self.exp_avg = torch.zeros_like(grad)
         self.exp_avg_sq = torch.zeros_like(grad)
-        self._bounds = [(v.data_ptr() - grad.data_ptr()) // grad.element_size() for v in grad_views]
         self._m_views = self._split(self.exp_avg)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + m.numel()] for o, m in zip(self._bounds, self.masters)]
+        return [flat[o:o + m.numel()] for o, m in zip(self.offsets, self.masters)]
 
     @torch.no_grad()
     def step(self, t: int, lr: float) -> None:

@@ -41,7 +41,7 @@ class _Reduction:
     """
 
     def __init__(self, bucket_flat: torch.Tensor, dest: torch.Tensor, accumulate: bool,
-                 group, dp: int, dp_rank: int, use_all_reduce: bool):
+                 group, dp_rank: int, use_all_reduce: bool):
         self.dest, self.accumulate = dest, accumulate
         n = dest.numel()
         if group is None:
@@ -144,7 +144,7 @@ class GradReducer:
         if self.trace is not None:
             self.trace.append(("issue", b))
         red = _Reduction(bucket_flat, self.shard_views[b], self._accumulated[b], self.group,
-                         self.dp, self.dp_rank, self.use_all_reduce)
+                         self.dp_rank, self.use_all_reduce)
         self._accumulated[b] = True
         self._inflight.append((b, red))
 

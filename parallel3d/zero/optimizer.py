@@ -146,7 +146,7 @@ class ZeroOptimizer:
             self.adam = CpuOffloadAdamW(self.masters, views, runs, self.cfg)
         else:
             decay_views = [self.masters[b][lo:hi] for b, lo, hi, d in runs if d]
-            self.adam = FlatAdamW(self.masters, grad, self.reducer.shard_views, decay_views, self.cfg)
+            self.adam = FlatAdamW(self.masters, grad, self.layout.shard_offsets(), decay_views, self.cfg)
 
     def _hook_forward(self, model: torch.nn.Module) -> None:
         index = {id(p): i for i, p in enumerate(self.params)}
