@@ -237,3 +237,30 @@ def test_state_dict_round_trip():
     with pytest.raises(ValueError, match="saved for dp=1"):
         ZeroOptimizer(_tiny_model().parameters(), TrainConfig(), Topology.single(), stage=2,
                       bucket_mb=1.0).load_state_dict(saved_opt)
+
+
+def _norms_with_replicated_params(dp: int, bucket_mb: float) -> list[float]:
+    """grad_norm of zero=0 and zero=2 when some parameters are marked as replicas held
+    elsewhere (p3d_norm_owner=False, as tensor parallelism marks its norm weights), and
+    of zero=2 without the marks."""
+    norms = []
+    for zero, marked in ((0, True), (2, True), (2, False)):
+        model = _tiny_model()
+        for name in ("layers.1.input_layernorm.weight", "layers.0.mlp.up_proj.weight", "lm_head.weight"):
+            model.get_parameter(name).p3d_norm_owner = not marked
+        par = ParallelConfig(dp=dp, zero=zero, bucket_mb=bucket_mb)
+        opt = build_optimizer(model.parameters(), TrainConfig(grad_clip=0.0), par, Topology(1, 1, dp))
+        gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+        x = torch.randint(0, 509, (2, 16), generator=gen)
+        torch.nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        norms.append(opt.step(1e-3))
+    return norms
+
+
+def test_norm_counts_replicated_parameters_once(pools):
+    # one big bucket: the marked parameters sit inside shards shared with counted ones,
+    # so the owner mask must be applied per parameter piece
+    for zero0, zero2, unmarked in pools(2).run(_norms_with_replicated_params, 2, 1.0):
+        # fp32 sums of squares in another grouping (per piece vs per parameter): ~1e-6
+        assert abs(zero2 - zero0) / zero0 < 1e-5
+        assert unmarked > zero0 * 1.01  # the marks matter
