@@ -62,6 +62,11 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2)
     pp_layers: list[int] | None = None  # layers per chunk, by hand; default: the balanced rule
+    # ZeRO: 0 replicates optimizer state; 1 shards it (fp32 master weights and Adam
+    # moments) over the dp ranks; 2 also shards the gradients.
+    zero: int = 0
+    offload_optimizer: bool = False  # zero >= 1: master weights, moments and the Adam step on CPU
+    bucket_mb: float = 25.0  # zero >= 1: fp32 gradient bucket size for reduce-scatter/all-gather
 
 
 @dataclass
@@ -81,6 +86,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
     log_interval: int = 1
+    # activation recomputation: none; full (each transformer layer re-run in backward);
+    # selective (keep the matmul outputs, recompute attention and element-wise ops)
+    recompute: str = "none"
 
 
 @dataclass

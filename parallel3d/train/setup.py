@@ -43,6 +43,13 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.dtype '{train.dtype}' is not supported: use auto, fp32 or bf16")
     validate_layout(par.tp, par.pp, par.dp, world_size)
+    check_memory_options(cfg)
+    if par.zero == 2 and par.pp > 1 and model.tie_embeddings:
+        # The pipeline sums a tied embedding's gradient over the first and last stage after
+        # the backward; stage 2 has already reduce-scattered it by then, into buckets laid
+        # out differently on the two stages.
+        raise UserError("parallel.zero=2 with parallel.pp > 1 does not support tied embeddings "
+                        "yet: use parallel.zero=1, or model.tie_embeddings=false")
     check_tensor_parallel(model, par.tp)  # heads, kv-heads, MLP width vs tp
     if par.sequence_parallel and train.seq_len % par.tp:
         raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
@@ -93,3 +100,18 @@ def check_pipeline(cfg: JobConfig, n_micro: int) -> None:
     elif par.virtual_stages != 1:
         raise UserError(f"parallel.virtual_stages {par.virtual_stages} needs parallel.schedule "
                         f"'interleaved' (schedule '{par.schedule}' runs one chunk per stage)")
+
+
+def check_memory_options(cfg: JobConfig) -> None:
+    """ZeRO, optimizer offload and activation recomputation settings."""
+    par, train = cfg.parallel, cfg.train
+    if par.zero not in (0, 1, 2):
+        raise UserError(f"parallel.zero must be 0, 1 or 2, got {par.zero}")
+    if par.offload_optimizer and par.zero == 0:
+        raise UserError("parallel.offload_optimizer needs the sharded optimizer: "
+                        "set parallel.zero=1 or 2 (or parallel.offload_optimizer=false)")
+    if par.bucket_mb <= 0:
+        raise UserError(f"parallel.bucket_mb must be positive, got {par.bucket_mb}")
+    if train.recompute not in ("none", "full", "selective"):
+        raise UserError(f"train.recompute '{train.recompute}' is not supported: "
+                        "use none, full or selective")
