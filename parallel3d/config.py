@@ -53,6 +53,14 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    # Keys of tensor/pipeline parallelism and ZeRO (their branches implement them; until
+    # merged, values other than the defaults are refused when training starts).
+    sequence_parallel: bool = False  # tp > 1: norms and residuals on sequence shards
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved)
+    pp_layers: list[int] | None = None  # layers per chunk, by hand; default: balanced
+    zero: int = 0  # 0: replicated optimizer; 1: optimizer state sharded over dp; 2: + gradients
+    offload_optimizer: bool = False  # zero >= 1: optimizer state and step on the CPU
 
 
 @dataclass
@@ -72,6 +80,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
     log_interval: int = 1
+    recompute: str = "none"  # activation recomputation per layer: none, full or selective
 
 
 @dataclass
@@ -86,7 +95,8 @@ class DataConfig:
 
 @dataclass
 class LaunchConfig:
-    nproc: int = 1  # local worker processes when not already under torchrun
+    nproc: int = 1  # worker processes per node when not already under torchrun
+    nnodes: int = 1  # nodes of the job: the world size is nnodes * nproc
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     threads_per_proc: int = 0  # 0: cores / local processes
 

@@ -29,7 +29,7 @@ from parallel3d.topology import Topology
 from parallel3d.train.data import GlobalBatchSampler, TokenWindows, prepare_corpus
 from parallel3d.train.metrics import MetricsLogger
 from parallel3d.train.optim import DataParallelOptimizer, lr_at
-from parallel3d.train.setup import check_job, resolve_model_config
+from parallel3d.train.setup import check_job, refuse_unbuilt, resolve_model_config
 
 
 class MicroBatchLoop:
@@ -66,6 +66,7 @@ class Trainer:
         self.device = device or torch.device("cpu")
         self.model_cfg = resolve_model_config(cfg.model)
         check_job(cfg, self.model_cfg, topo.world_size)
+        refuse_unbuilt(cfg)
 
         self.windows = TokenWindows(self._corpus_tokens(), cfg.train.seq_len)
         # Every rank builds the full model from the same seed, then keeps its part, so
