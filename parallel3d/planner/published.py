@@ -59,6 +59,7 @@ class PublishedRun:
 
 
 GPT3_175B = gpt(12288, 96, 96)
+GPT_530B = gpt(20480, 105, 128)
 GPT_1T = gpt(25600, 128, 160)
 GPT_18B = gpt(6144, 40, 48)
 
@@ -69,6 +70,16 @@ PUBLISHED: list[PublishedRun] = [
         8, 8, 16, megatron_mfu(140, GPT3_175B, 2048, 312), NARAYANAN_2021 + ", sec. 5.1",
         "140 TFLOP/s per GPU at batch 1536 on 1024 GPUs (the text's training-time example; TP 8 as in all "
         "their runs, PP 8 to fill 1024 GPUs), recomputation removed by eq. 3", recompute="full"),
+    PublishedRun(
+        "GPT-3 175B, 1536 A100-80GB, TP8 PP12 DP16", Workload(GPT3_175B, 2048, 1536), "a100-80g", 8,
+        8, 12, 16, megatron_mfu(141, GPT3_175B, 2048, 312), NARAYANAN_2021 + ", Table 2 (PTD-P rows)",
+        "141 TFLOP/s per GPU at batch 1536, model-parallel size 96 (TP 8 x PP 12), micro-batch 1, "
+        "recomputation removed by eq. 3", recompute="full"),
+    PublishedRun(
+        "GPT 530B, 2520 A100-80GB, TP8 PP35 DP9", Workload(GPT_530B, 2048, 2520), "a100-80g", 8,
+        8, 35, 9, megatron_mfu(163, GPT_530B, 2048, 312), NARAYANAN_2021 + ", Table 1 (ninth row)",
+        "163 TFLOP/s per GPU (52% of peak with recomputation), recomputation removed by eq. 3",
+        recompute="full"),
     PublishedRun(
         "GPT 1T, 3072 A100-80GB, TP8 PP64 DP6", Workload(GPT_1T, 2048, 3072), "a100-80g", 8,
         8, 64, 6, megatron_mfu(163, GPT_1T, 2048, 312), NARAYANAN_2021 + ", Table 1 (last row)",

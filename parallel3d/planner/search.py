@@ -18,7 +18,7 @@ from parallel3d.planner.spec import Layout, Workload
 from parallel3d.planner.timing import StepTime, step_time
 
 MAX_MICRO_BATCH = 16
-VIRTUAL_STAGES = (2, 3, 4, 6, 8)
+VIRTUAL_STAGES = range(2, 9)  # chunks per rank; beyond 8 the extra point-to-point outweighs the bubble
 
 
 @dataclass
@@ -98,10 +98,12 @@ def evaluate(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
 
 def search(work: Workload, n_gpus: int, gpus_per_node: int, gpu: GPU, eff: Efficiency | None = None,
            fixed: dict | None = None) -> list[Candidate]:
-    """All valid layouts: those that fit by predicted step time, then those that do not."""
+    """All valid layouts: those that fit by predicted step time (ties, to 0.1 ms, go to the
+    one needing less memory), then those that do not, least over budget first."""
     found = [evaluate(work, layout, gpu, gpus_per_node, eff)
              for layout in valid_layouts(work, n_gpus, gpus_per_node, fixed)]
-    return sorted(found, key=lambda c: (not c.fits, c.time.step_s if c.fits else c.over_bytes))
+    return sorted(found, key=lambda c: (not c.fits, round(c.time.step_s, 4) if c.fits else c.over_bytes,
+                                        c.required))
 
 
 def recommend(candidates: list[Candidate]) -> Candidate | None:
