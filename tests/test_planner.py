@@ -181,5 +181,8 @@ def test_calibration_recovers_the_efficiency_of_a_synthetic_run(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     eff, how = calibrate_from_run(tmp_path, gpu, 8)
     assert eff.compute == pytest.approx(0.41, rel=1e-9) and "0.410" in how
+    assert main(["plan", "--model", "8b", "--gpus", "64", "--gpus-per-node", "8", "--gpu", "h100-80g",
+                 "--seq-len", "8192", "--global-batch", "512", "--top", "1",
+                 "--calibrate", str(tmp_path / "metrics.jsonl")]) == 0
     with pytest.raises(UserError, match="calibration needs"):
         calibrate_from_run(tmp_path / "missing", gpu, 8)

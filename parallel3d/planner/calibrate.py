@@ -26,7 +26,7 @@ def solve_compute_efficiency(work: Workload, layout: Layout, gpu: GPU, gpus_per_
     """The ``efficiency.compute`` at which the time model gives ``tokens_per_s``."""
     from parallel3d.planner.timing import step_time
 
-    base = eff or Efficiency()
+    base = eff or Efficiency(compute=1.0)  # compute is what is being solved for
     t1 = step_time(work, layout, gpu, gpus_per_node, replace(base, compute=1.0)).step_s
     t2 = step_time(work, layout, gpu, gpus_per_node, replace(base, compute=0.5)).step_s
     c, k = t2 - t1, 2 * t1 - t2
@@ -46,7 +46,7 @@ def default_efficiency() -> Efficiency:
     tokens_per_s = ANCHOR.mfu * ANCHOR.n_gpus * gpu.peak_flops / model_flops_per_token(
         ANCHOR.work.model, ANCHOR.work.seq_len)
     e = solve_compute_efficiency(ANCHOR.work, anchor_layout(ANCHOR), gpu, ANCHOR.gpus_per_node, tokens_per_s)
-    return replace(Efficiency(), compute=e)
+    return Efficiency(compute=e)
 
 
 def read_metrics(path: str | Path) -> tuple[dict, float]:

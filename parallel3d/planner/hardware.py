@@ -70,7 +70,7 @@ class Efficiency:
     InfiniBand (bus bandwidth about 80% of the wire); ``latency_s`` is one ring step.
     """
 
-    compute: float = 0.50  # a placeholder: use calibrate.default_efficiency()
+    compute: float  # see calibrate.default_efficiency() for the default
     link: float = 0.80
     nvlink_latency_s: float = 5e-6
     internode_latency_s: float = 10e-6

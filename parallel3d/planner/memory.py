@@ -84,6 +84,13 @@ class StageMemory:
     def peak(self) -> int:
         return max(self.backward_peak, self.step_peak)
 
+    def breakdown(self) -> tuple[str, int, int, int]:
+        """(phase, model states, activations, buffers) at the moment of the peak."""
+        base = self.weights + self.master + self.optimizer
+        if self.backward_peak >= self.step_peak:
+            return ("backward", base + self.grads, self.activations, self.comm_buffers + self.backward_transient)
+        return ("optimizer step", base + self.full_grads, 0, self.comm_buffers + self.step_transient)
+
 
 def layer_params(model, tp: int) -> int:
     """Parameters of one decoder layer on one tensor-parallel rank."""

@@ -70,8 +70,8 @@ def dry_run(cfg: JobConfig, world_size: int, out=print) -> dict:
         out(f"  stage {r} (ranks {ranks[0]}..{ranks[-1] + par.tp - 1}): {spans}{extra}")
     out("memory per rank (planner estimate, before the GPU fragmentation margin):")
     for s in stages:
-        states = s.weights + s.master + s.optimizer + s.full_grads
-        out(f"  stage {s.stage}: peak {s.peak / GiB:.2f} GiB = model states {states / GiB:.2f} GiB "
-            f"({s.params / 1e6:,.1f}M params) + activations {s.activations / GiB:.2f} GiB "
-            f"({s.in_flight:g} in flight) + buffers {(s.peak - states - s.activations) / GiB:.2f} GiB")
+        phase, states, acts, buffers = s.breakdown()
+        out(f"  stage {s.stage}: peak {s.peak / GiB:.2f} GiB in the {phase} = model states {states / GiB:.2f} GiB "
+            f"({s.params / 1e6:,.1f}M params) + activations {acts / GiB:.2f} GiB "
+            f"({s.in_flight:g} in flight) + buffers {buffers / GiB:.2f} GiB")
     return {"world_size": world_size, "model": model, "split": split, "stages": stages}

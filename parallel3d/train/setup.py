@@ -87,6 +87,8 @@ def check_parallel_options(cfg: JobConfig, model: LlamaConfig) -> None:
         raise UserError(f"parallel.virtual_stages must be at least 1, got {par.virtual_stages}")
     if par.schedule == "interleaved" and par.pp > 1 and par.virtual_stages < 2:
         raise UserError("parallel.schedule 'interleaved' needs parallel.virtual_stages >= 2")
+    if par.virtual_stages > 1 and par.schedule != "interleaved":
+        raise UserError(f"parallel.virtual_stages {par.virtual_stages} needs parallel.schedule 'interleaved'")
     if par.virtual_stages > 1 and model.n_layers < par.pp * par.virtual_stages:
         raise UserError(f"model.n_layers {model.n_layers} is fewer than parallel.pp {par.pp} * "
                         f"parallel.virtual_stages {par.virtual_stages}: every chunk needs a layer")
