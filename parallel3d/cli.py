@@ -23,7 +23,7 @@ def default_recipe() -> str:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.config import load_config
     from parallel3d.distributed import env_world_size, under_torchrun
-    from parallel3d.train.setup import check_job, job_world_size, resolve_model_config
+    from parallel3d.train.setup import check_job, job_world_size, refuse_unbuilt, resolve_model_config
 
     cfg = load_config(args.recipe or default_recipe(), overrides)
     world = job_world_size(cfg)  # checks launch.nnodes and launch.nproc
@@ -38,6 +38,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UserError(f"launch.nnodes {cfg.launch.nnodes} > 1: start the job with torchrun on every node "
                         "(or check it here with --dry-run)")
     check_job(cfg, resolve_model_config(cfg.model), world)  # fail before any worker starts
+    refuse_unbuilt(cfg)
 
     from parallel3d.train.worker import run_training, worker_main
 

@@ -193,9 +193,10 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         mem.step_transient = 4 * n // layout.dp  # Adam's sqrt(v) over this rank's shard
     else:
         # The flat all-reduce bucket is counted as resident: gloo's worker threads keep
-        # their last work (and its tensor) until they take the next one, so on some ranks
-        # the last bucket outlives the step (measured); with NCCL the caching allocator
-        # keeps the block reserved. Adam (foreach) adds a sqrt(v) temporary per group.
+        # their last work (and its tensor) until they take the next one, so on some ranks,
+        # in some runs, the last bucket outlives the step (measured, racy); with NCCL the
+        # caching allocator keeps the block reserved. Adam (foreach) adds a sqrt(v)
+        # temporary per parameter group.
         mem.comm_buffers = min(bucket_bytes, mem.full_grads) if layout.dp > 1 else 0
         mem.step_transient = max(4 * n, 4 * largest)
     return mem
