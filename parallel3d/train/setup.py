@@ -60,5 +60,9 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
             f"{n_micro} micro-batches per step (train.global_batch {train.global_batch} / "
             f"(micro_batch {train.micro_batch} * dp {par.dp})) is fewer than parallel.pp "
             f"{par.pp}: raise train.global_batch or lower train.micro_batch")
+    for name, value, least in (("eval.interval", cfg.eval.interval, 0), ("eval.batches", cfg.eval.batches, 1),
+                               ("data.prefetch", cfg.data.prefetch, 0)):
+        if value < least:
+            raise UserError(f"{name} must be at least {least}, got {value}")
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
