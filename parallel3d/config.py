@@ -82,7 +82,7 @@ class DataConfig:
     max_bytes: int = 8_000_000  # how much of the corpus to read
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     cache_dir: str = ""  # default: ~/.cache/parallel3d
-    val_fraction: float = 0.01  # stdlib: share of the documents held out for validation
+    val_fraction: float = 0.02  # stdlib: share of the documents held out for validation
     # A dataset made by `parallel3d prepare-data` (its --out directory); when set, it is
     # read instead of the stdlib corpus, and source / max_bytes / vocab_size / val_fraction
     # do not apply.

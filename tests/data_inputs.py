@@ -20,10 +20,11 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 700) -> Path:
 
 
 def make_mixed_inputs(out_dir: Path, total_bytes: int, parquet: bool = False) -> list[str]:
-    """Write ~``total_bytes`` of stdlib sources as .txt files (one document each), a
-    .jsonl, a gzipped .jsonl (with a blank line and an empty document, which are skipped)
-    and, if asked, a .parquet. Returns the documents in the order prepare-data reads
-    them (sorted file names, then line / row order)."""
+    """Write ~``total_bytes`` of stdlib sources, a quarter of the documents each: as
+    .txt files (one document each), a .jsonl, a gzipped .jsonl (with a blank line and an
+    empty document, which are skipped), and a .parquet if asked, else another .jsonl.
+    Returns the documents in the order prepare-data reads them (sorted file names, then
+    line / row order)."""
     docs = [d for d in read_stdlib(total_bytes) if d]
     out_dir.mkdir(parents=True, exist_ok=True)
     quarter = len(docs) // 4
@@ -38,12 +39,14 @@ def make_mixed_inputs(out_dir: Path, total_bytes: int, parquet: bool = False) ->
         f.write(json.dumps({"text": gz[0]}) + "\n\n" + json.dumps({"text": ""}) + "\n")
         for d in gz[1:]:
             f.write(json.dumps({"text": d}) + "\n")
-    ordered = txt + jsonl + gz
     if parquet:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         pq.write_table(pa.table({"text": rest, "n": list(range(len(rest)))}), out_dir / "d.parquet",
                        row_group_size=50)
-        ordered += rest
-    return ordered
+    else:
+        with open(out_dir / "d.jsonl", "w", encoding="utf-8") as f:
+            for d in rest:
+                f.write(json.dumps({"text": d}) + "\n")
+    return txt + jsonl + gz + rest

@@ -168,3 +168,13 @@ def test_tokenizer_config_may_hold_eos_as_a_dict(tok_dir, tmp_path):
     (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": EOS, "lstrip": False}}))
     spec = load_tokenizer(d)
     assert spec.eos_token == EOS and spec.vocab_size == 700
+
+
+def test_progress_prints_plain_lines_when_not_a_terminal(capsys):
+    from parallel3d.data.prepare import Progress
+
+    p = Progress(4_000_000, enabled=True, every_s=0.0)
+    p.update(1_000_000, 250_000)
+    p.close()
+    err = capsys.readouterr().err
+    assert err.startswith("prepare-data: 25% (1.0 of 4.0 MB)") and "tokens/s" in err

@@ -19,6 +19,7 @@ identical for any number of workers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import glob
 import gzip
 import hashlib
@@ -216,9 +217,7 @@ class _Worker:
     dtype = np.dtype(np.uint16)
 
 
-def init_worker(tokenizer_json: str, eos_id: int, dtype: str, single_thread: bool) -> None:
-    if single_thread:  # one process per core: no thread pool inside each
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+def init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     from tokenizers import Tokenizer
 
     _Worker.tok = Tokenizer.from_file(tokenizer_json)
@@ -265,6 +264,26 @@ def encode_task(task: tuple) -> tuple[np.ndarray, np.ndarray, int, int]:
         pos += n
     text_bytes = sum(len(d.encode("utf-8")) for d in docs)
     return ids, lengths, text_bytes, disk_bytes
+
+
+@contextlib.contextmanager
+def _tokenizer_threads(enabled: bool):
+    """The tokenizers library reads TOKENIZERS_PARALLELISM at each batch call: switch its
+    own thread pool on or off for the duration, then restore the environment."""
+    old = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if enabled else "false"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = old
+
+
+def _pool_worker_init(*args) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core, one thread each
+    init_worker(*args)
 
 
 def _bounded_ordered(pool, tasks: Iterable[tuple], window: int) -> Iterator[tuple]:
@@ -349,7 +368,8 @@ class PrepareReport:
         shards = sum(self.shards.values())
         return (f"prepared {docs:,} documents ({self.docs['train']:,} train, {self.docs['val']:,} val), "
                 f"{toks:,} tokens in {shards} shard{'s' * (shards != 1)} from {self.num_files} "
-                f"file{'s' * (self.num_files != 1)}, {self.disk_bytes / 1e6:.1f} MB in {self.seconds:.1f} s: "
+                f"file{'s' * (self.num_files != 1)}, {self.disk_bytes / 1e6:.1f} MB on disk "
+                f"({self.text_bytes / 1e6:.1f} MB of text) in {self.seconds:.1f} s: "
                 f"{self.mb_per_s:.2f} MB/s, {self.tokens_per_s:,.0f} tokens/s "
                 f"({self.workers} worker{'s' * (self.workers != 1)}) -> {self.out}")
 
@@ -365,40 +385,48 @@ def tokenize_to_shards(tasks: Iterable[tuple], spec: TokenizerSpec, out: Path, *
                        val_fraction: float, shard_tokens: int, workers: int,
                        progress: Progress) -> tuple[dict, dict, dict, int]:
     """Run ``tasks`` through the workers and write both splits. Returns the index's
-    ``splits`` entry, documents and tokens per split, and the UTF-8 bytes of text."""
+    ``splits`` entry, documents and tokens per split, and the UTF-8 bytes of text.
+
+    ``workers``: N > 1 processes of one thread each; 1: this process, one thread; 0: this
+    process with the tokenizers library's own thread pool (all cores)."""
     dtype = token_dtype(spec.vocab_size)
     frac = Fraction(val_fraction).limit_denominator(1_000_000)
     writers = {s: ShardWriter(out, s, dtype, shard_tokens) for s in SPLITS}
-    initargs = (str(spec.json_path), spec.eos_id, dtype.name, workers > 1)
-    pool = None
-    if workers > 1:
-        import multiprocessing as mp
+    initargs = (str(spec.json_path), spec.eos_id, dtype.name)
+    with contextlib.ExitStack() as stack:
+        if workers > 1:
+            import multiprocessing as mp
 
-        # spawn: the tokenizers library's thread pool does not survive fork.
-        pool = mp.get_context("spawn").Pool(workers, initializer=init_worker, initargs=initargs)
-        results = _bounded_ordered(pool, tasks, window=2 * workers + 2)
-    else:
-        init_worker(*initargs)
-        results = map(encode_task, tasks)
-    n_docs, text_bytes = 0, 0
-    try:
-        for ids, lengths, nbytes, disk_bytes in results:
-            is_val = _val_mask(n_docs, len(lengths), frac)
-            token_is_val = np.repeat(is_val, lengths)
-            writers["train"].add(ids[~token_is_val], int((~is_val).sum()))
-            writers["val"].add(ids[token_is_val], int(is_val.sum()))
-            n_docs += len(lengths)
-            text_bytes += nbytes
-            progress.update(disk_bytes, len(ids))
-    finally:
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-        progress.close()
+            # spawn: the tokenizers library's thread pool does not survive fork.
+            pool = mp.get_context("spawn").Pool(workers, initializer=_pool_worker_init, initargs=initargs)
+            stack.callback(pool.join)
+            stack.callback(pool.terminate)
+            results = _bounded_ordered(pool, tasks, window=2 * workers + 2)
+        else:
+            stack.enter_context(_tokenizer_threads(workers == 0))
+            init_worker(*initargs)
+            results = map(encode_task, tasks)
+        stack.callback(progress.close)
+        n_docs, text_bytes = _write_results(results, writers, frac, progress)
     splits = {s: w.close() for s, w in writers.items()}
     docs = {s: splits[s]["num_docs"] for s in SPLITS}
     tokens = {s: splits[s]["num_tokens"] for s in SPLITS}
     return splits, docs, tokens, text_bytes
+
+
+def _write_results(results, writers: dict[str, ShardWriter], frac: Fraction,
+                   progress: Progress) -> tuple[int, int]:
+    """Append each result, in order, to the split each of its documents belongs to."""
+    n_docs, text_bytes = 0, 0
+    for ids, lengths, nbytes, disk_bytes in results:
+        is_val = _val_mask(n_docs, len(lengths), frac)
+        token_is_val = np.repeat(is_val, lengths)
+        writers["train"].add(ids[~token_is_val], int((~is_val).sum()))
+        writers["val"].add(ids[token_is_val], int(is_val.sum()))
+        n_docs += len(lengths)
+        text_bytes += nbytes
+        progress.update(disk_bytes, len(ids))
+    return n_docs, text_bytes
 
 
 def copy_tokenizer(spec: TokenizerSpec, out: Path) -> None:

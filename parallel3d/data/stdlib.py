@@ -97,7 +97,7 @@ def prepare_stdlib(cfg: DataConfig) -> PreparedDataset:
         spec = load_tokenizer(train_bpe_tokenizer(docs, cfg.vocab_size, tmp / "tokenizer"))
         chunks = (("texts", docs[i: i + 64], 0) for i in range(0, len(docs), 64))
         splits, _, tokens, _ = tokenize_to_shards(
-            chunks, spec, tmp, val_fraction=cfg.val_fraction, shard_tokens=1 << 30, workers=1,
+            chunks, spec, tmp, val_fraction=cfg.val_fraction, shard_tokens=1 << 30, workers=0,
             progress=Progress(0, enabled=False))
         write_index(tmp, dtype=token_dtype(spec.vocab_size), eos_id=spec.eos_id,
                     vocab_size=spec.vocab_size, tokenizer_sha256=spec.sha256, splits=splits,
