@@ -466,13 +466,16 @@ def prepare_data(inputs: list[str], tokenizer: str | Path, out: str | Path, *,
                  overwrite: bool = False, progress: bool = True,
                  chunk_bytes: int = CHUNK_BYTES) -> PrepareReport:
     """Tokenize ``inputs`` with the tokenizer in ``tokenizer`` into a dataset at ``out``."""
-    workers = workers or os.cpu_count() or 1
+    workers = (os.cpu_count() or 1) if workers is None else workers
     check_options(val_fraction, shard_tokens, workers)
     if not inputs:
         raise UserError("no inputs: give files, directories or glob patterns")
-    files = expand_inputs(inputs)
-    spec = load_tokenizer(tokenizer, eos_token)
     out = Path(out)
+    # An output directory inside an input directory is not input (index.json is JSON).
+    files = [f for f in expand_inputs(inputs) if out.resolve() not in f.resolve().parents]
+    if not files:
+        raise UserError(f"the inputs hold no files outside --out '{out}'")
+    spec = load_tokenizer(tokenizer, eos_token)
     out.mkdir(parents=True, exist_ok=True)
     _clear_old(out, overwrite)
     t0 = time.perf_counter()
