@@ -1,29 +1,18 @@
 """``parallel3d prepare-data``: raw text to token shards, in parallel worker processes.
 
-Inputs (files, directories searched recursively, or glob patterns; sorted, so the output
-does not depend on the order the shell lists them):
-
-- ``.txt``: one file is one document (read whole, UTF-8, bad bytes replaced);
-- ``.jsonl`` / ``.json``: JSON lines, one object per line, the document in ``text_key``;
-- ``.parquet``: one row is one document, the column ``text_key`` (needs pyarrow);
-- ``.txt.gz``, ``.jsonl.gz``, ``.json.gz``: the same, gzip-compressed.
-
-Every document is encoded without the tokenizer's own special tokens and followed by the
-EOS id. Document ``i`` (in input order) goes to the validation split when
-``floor((i+1) f) > floor(i f)`` for ``f = val_fraction``: whole documents, evenly spread,
-``floor(n f)`` of them, the same on every run. The main process reads the inputs in
-chunks, workers tokenize them, and results are written in input order, so the shards are
-identical for any number of workers.
+Inputs are read as described in :mod:`parallel3d.data.sources`. Every document is
+encoded without the tokenizer's own special tokens and followed by the EOS id. Document
+``i`` (in input order) goes to the validation split when ``floor((i+1) f) > floor(i f)``
+for ``f = val_fraction``: whole documents, evenly spread, ``floor(n f)`` of them, the same
+on every run. The main process reads the inputs in chunks, workers tokenize them, and
+results are written in input order, so the shards are identical for any number of
+workers.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import glob
-import gzip
-import hashlib
-import json
 import os
 import shutil
 import sys
@@ -36,175 +25,14 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from parallel3d.data.format import INDEX, SPLITS, ShardWriter, token_dtype, write_index
+from parallel3d.data.sources import CHUNK_BYTES, documents_of, expand_inputs, input_tasks
+from parallel3d.data.tokenizer import TokenizerSpec, load_tokenizer
 from parallel3d.errors import UserError
 
-TEXT_SUFFIXES = (".txt",)
-JSONL_SUFFIXES = (".jsonl", ".json")
-PARQUET_SUFFIXES = (".parquet",)
+__all__ = ["PrepareReport", "Progress", "TokenizerSpec", "load_tokenizer", "prepare_data",
+           "tokenize_to_shards"]
+
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128 Mi tokens: 256 MiB as uint16
-CHUNK_BYTES = 1 << 20  # text handed to a worker at a time
-
-
-# ---------------------------------------------------------------------------------------
-# Tokenizer
-
-
-@dataclass(frozen=True)
-class TokenizerSpec:
-    """What workers need to rebuild the tokenizer, and what the index records of it."""
-
-    dir: Path
-    json_path: Path
-    eos_token: str
-    eos_id: int
-    vocab_size: int  # one past the largest id
-    sha256: str
-
-
-def _special_token(value) -> str | None:
-    if isinstance(value, dict):  # {"content": "</s>", "lstrip": false, ...}
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
-
-
-def load_tokenizer(path: str | Path, eos_token: str | None = None) -> TokenizerSpec:
-    """Read a Hugging Face tokenizer folder (``tokenizer.json``; the EOS token from
-    ``tokenizer_config.json`` or ``special_tokens_map.json`` unless ``eos_token`` is given)."""
-    from tokenizers import Tokenizer
-
-    path = Path(path)
-    d = path.parent if path.is_file() else path
-    json_path = path if path.is_file() else path / "tokenizer.json"
-    if not d.is_dir():
-        raise UserError(f"tokenizer '{path}' not found: give a Hugging Face tokenizer folder")
-    if not json_path.is_file():
-        raise UserError(f"tokenizer folder '{d}' has no tokenizer.json (the fast-tokenizer file): "
-                        "save one with transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
-    try:
-        tok = Tokenizer.from_file(str(json_path))
-    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
-        raise UserError(f"tokenizer '{json_path}' cannot be read: {str(e).splitlines()[0]}") from None
-    if eos_token is None:
-        for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            f = d / name
-            if f.is_file():
-                try:
-                    eos_token = _special_token(json.loads(f.read_text()).get("eos_token"))
-                except (json.JSONDecodeError, AttributeError):
-                    raise UserError(f"'{f}' is not a JSON object") from None
-                if eos_token:
-                    break
-    if not eos_token:
-        raise UserError(f"no EOS token: neither tokenizer_config.json nor special_tokens_map.json in "
-                        f"'{d}' names an eos_token; pass --eos-token TOKEN")
-    eos_id = tok.token_to_id(eos_token)
-    if eos_id is None:
-        raise UserError(f"EOS token {eos_token!r} is not in the vocabulary of '{json_path}': "
-                        "pass the right --eos-token")
-    vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
-    sha = hashlib.sha256(json_path.read_bytes()).hexdigest()
-    return TokenizerSpec(d, json_path, eos_token, eos_id, vocab_size, sha)
-
-
-# ---------------------------------------------------------------------------------------
-# Inputs
-
-
-def _kind(path: Path) -> str | None:
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        name = name[:-3]
-    for kind, suffixes in (("text", TEXT_SUFFIXES), ("jsonl", JSONL_SUFFIXES)):
-        if name.endswith(suffixes):
-            return kind
-    if path.name.lower().endswith(PARQUET_SUFFIXES):
-        return "parquet"
-    return None
-
-
-def expand_inputs(patterns: list[str]) -> list[Path]:
-    """Files named directly, found under directories, or matched by globs; sorted."""
-    files: set[Path] = set()
-    for pattern in patterns:
-        p = Path(pattern)
-        if p.is_dir():
-            found = [f for f in p.rglob("*") if f.is_file() and _kind(f)]
-            if not found:
-                raise UserError(f"input directory '{p}' holds no .txt, .jsonl, .json or .parquet files")
-            files.update(found)
-        elif p.is_file():
-            if not _kind(p):
-                raise UserError(f"input '{p}' is not .txt, .jsonl, .json or .parquet (optionally .gz, "
-                                "except Parquet): rename it or convert it")
-            files.add(p)
-        elif glob.has_magic(pattern):
-            found = [Path(f) for f in glob.glob(pattern, recursive=True) if _kind(Path(f))]
-            if not found:
-                raise UserError(f"input pattern '{pattern}' matches no .txt, .jsonl, .json or .parquet files")
-            files.update(f for f in found if f.is_file())
-        else:
-            raise UserError(f"input '{pattern}' not found")
-    return sorted(files)
-
-
-def _open_binary(path: Path):
-    return gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
-
-
-def _raw_position(f) -> int:
-    """Bytes of the file on disk consumed so far (the compressed offset for gzip)."""
-    return f.fileobj.tell() if isinstance(f, gzip.GzipFile) else f.tell()
-
-
-def _jsonl_tasks(path: Path, text_key: str, chunk_bytes: int) -> Iterator[tuple]:
-    with _open_binary(path) as f:
-        lines, size, first, lineno, last = [], 0, 1, 0, 0
-        for line in f:
-            lineno += 1
-            lines.append(line)
-            size += len(line)
-            if size >= chunk_bytes:
-                pos = _raw_position(f)
-                yield ("jsonl", (str(path), first, lines, text_key), pos - last)
-                lines, size, first, last = [], 0, lineno + 1, pos
-        if lines or last < path.stat().st_size:
-            yield ("jsonl", (str(path), first, lines, text_key), path.stat().st_size - last)
-
-
-def _parquet_tasks(path: Path, text_key: str, chunk_bytes: int) -> Iterator[tuple]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise UserError(f"reading '{path}' needs pyarrow: pip install parallel3d[data]") from None
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file
-        raise UserError(f"'{path}' cannot be read as Parquet: {str(e).splitlines()[0]}") from None
-    names = pf.schema_arrow.names
-    if text_key not in names:
-        raise UserError(f"'{path}' has no column '{text_key}' (columns: {', '.join(names)}): pass --text-key")
-    column_type = str(pf.schema_arrow.field(text_key).type)
-    if column_type not in ("string", "large_string"):
-        raise UserError(f"'{path}' column '{text_key}' holds {column_type}, not text: pass --text-key")
-    rows, size = max(1, pf.metadata.num_rows), path.stat().st_size
-    done = 0
-    for batch in pf.iter_batches(batch_size=4096, columns=[text_key]):
-        texts = [t for t in batch.column(0).to_pylist() if t is not None]
-        advanced = size * (done + batch.num_rows) // rows - size * done // rows
-        done += batch.num_rows
-        yield ("texts", texts, advanced)
-
-
-def input_tasks(files: list[Path], text_key: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple]:
-    """``(kind, payload, bytes_on_disk)`` units of work, in input order."""
-    for path in files:
-        kind = _kind(path)
-        if kind == "text":
-            yield ("text", str(path), path.stat().st_size)
-        elif kind == "jsonl":
-            yield from _jsonl_tasks(path, text_key, chunk_bytes)
-        else:
-            yield from _parquet_tasks(path, text_key, chunk_bytes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -224,34 +52,11 @@ def init_worker(tokenizer_json: str, eos_id: int, dtype: str) -> None:
     _Worker.eos_id, _Worker.dtype = eos_id, np.dtype(dtype)
 
 
-def _docs_of(kind: str, payload) -> list[str]:
-    if kind == "texts":
-        return payload
-    if kind == "text":
-        with _open_binary(Path(payload)) as f:
-            return [f.read().decode("utf-8", errors="replace")]
-    path, first, lines, key = payload
-    docs = []
-    for n, line in enumerate(lines, first):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"{path}:{n}: not a JSON line ({e})") from None
-        text = obj.get(key) if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            keys = ", ".join(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise UserError(f"{path}:{n}: no string under '{key}' (found: {keys}): pass --text-key")
-        docs.append(text)
-    return docs
-
-
 def encode_task(task: tuple) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Tokenize one unit: (ids with EOS after each document, tokens per document,
     UTF-8 bytes of text, bytes on disk). Empty documents are dropped."""
     kind, payload, disk_bytes = task
-    docs = [d for d in _docs_of(kind, payload) if d]
+    docs = [d for d in documents_of(kind, payload) if d]
     tok, eos = _Worker.tok, _Worker.eos_id
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
     encodings = encode(docs, add_special_tokens=False) if docs else []
