@@ -77,18 +77,21 @@ def _raw_position(f) -> int:
 
 
 def _jsonl_tasks(path: Path, text_key: str, chunk_bytes: int) -> Iterator[tuple]:
-    with _open_binary(path) as f:
-        lines, size, first, lineno, last = [], 0, 1, 0, 0
-        for line in f:
-            lineno += 1
-            lines.append(line)
-            size += len(line)
-            if size >= chunk_bytes:
-                pos = _raw_position(f)
-                yield ("jsonl", (str(path), first, lines, text_key), pos - last)
-                lines, size, first, last = [], 0, lineno + 1, pos
-        if lines or last < path.stat().st_size:
-            yield ("jsonl", (str(path), first, lines, text_key), path.stat().st_size - last)
+    try:
+        with _open_binary(path) as f:
+            lines, size, first, lineno, last = [], 0, 1, 0, 0
+            for line in f:
+                lineno += 1
+                lines.append(line)
+                size += len(line)
+                if size >= chunk_bytes:
+                    pos = _raw_position(f)
+                    yield ("jsonl", (str(path), first, lines, text_key), pos - last)
+                    lines, size, first, last = [], 0, lineno + 1, pos
+    except (OSError, EOFError) as e:  # unreadable, or a damaged / truncated .gz
+        raise UserError(f"'{path}' cannot be read: {e}") from None
+    if lines or last < path.stat().st_size:
+        yield ("jsonl", (str(path), first, lines, text_key), path.stat().st_size - last)
 
 
 def _parquet_tasks(path: Path, text_key: str) -> Iterator[tuple]:
@@ -128,11 +131,15 @@ def input_tasks(files: list[Path], text_key: str, chunk_bytes: int = CHUNK_BYTES
 
 
 def documents_of(kind: str, payload) -> list[str]:
+    """The documents of one task, in order (runs in a worker)."""
     if kind == "texts":
         return payload
     if kind == "text":
-        with _open_binary(Path(payload)) as f:
-            return [f.read().decode("utf-8", errors="replace")]
+        try:
+            with _open_binary(Path(payload)) as f:
+                return [f.read().decode("utf-8", errors="replace")]
+        except (OSError, EOFError) as e:
+            raise UserError(f"'{payload}' cannot be read: {e}") from None
     path, first, lines, key = payload
     docs = []
     for n, line in enumerate(lines, first):
