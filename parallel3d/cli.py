@@ -2,9 +2,11 @@
 
     parallel3d train [RECIPE] [--dry-run] [--section.key=value ...]
     parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N --gpus-per-node G --gpu GPU ...
+    parallel3d prepare-data INPUTS... --tokenizer DIR --out DIR [options]
 
 With no recipe, ``train`` runs the embedded ``recipes/debug_cpu.toml``. Errors the user
-can fix print one line and exit with status 2.
+can fix print one line and exit with status 2. A ``--local_rank=N`` / ``--local-rank N``
+argument added by a launcher (DeepSpeed's) is dropped: the rank comes from LOCAL_RANK.
 """
 
 from __future__ import annotations
@@ -47,8 +49,55 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.launch import launch_local
     from parallel3d.train.data import prepare_corpus
 
-    prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
+    prepare_corpus(cfg.data)  # once, here, rather than racing in the workers (or: check data.path)
     return launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
+
+
+def _prepare_data(args: argparse.Namespace) -> int:
+    from parallel3d.data.prepare import prepare_data
+
+    report = prepare_data(args.inputs, args.tokenizer, args.out, text_key=args.text_key,
+                          eos_token=args.eos_token, workers=args.workers,
+                          shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
+                          overwrite=args.overwrite, progress=not args.quiet)
+    print(report.summary(), flush=True)
+    return 0
+
+
+def _add_prepare_data(sub) -> None:
+    from parallel3d.data.prepare import DEFAULT_SHARD_TOKENS
+
+    p = sub.add_parser(
+        "prepare-data", help="tokenize text / JSON lines / Parquet into token shards for training",
+        description="Tokenize INPUTS (files, directories, globs: .txt = one document per file, "
+                    ".jsonl/.json = one per line, .parquet = one per row; .gz allowed except Parquet) "
+                    "with a Hugging Face tokenizer into memory-mapped token shards; train on them "
+                    "with --data.path=OUT.")
+    p.add_argument("inputs", nargs="+", metavar="INPUTS")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json")
+    p.add_argument("--out", required=True, metavar="DIR", help="output dataset directory")
+    p.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text (default: text)")
+    p.add_argument("--eos-token", default=None, help="EOS token (default: from tokenizer_config.json)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                   help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS})")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="share of the documents held out as the validation split (default: 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def drop_launcher_args(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank=N`` / ``--local-rank N`` that launchers append."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.split("=", 1)[0] in ("--local_rank", "--local-rank"):
+            skip = "=" not in arg and i + 1 < len(argv) and argv[i + 1].isdigit()
+        else:
+            out.append(arg)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,11 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     from parallel3d.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+    _add_prepare_data(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = drop_launcher_args(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
@@ -79,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             from parallel3d.planner.cli import run_plan
 
             return run_plan(args)
+        if args.command == "prepare-data":
+            if rest:
+                raise UserError(f"unexpected argument(s) for prepare-data: {' '.join(rest)}")
+            return _prepare_data(args)
     except UserError as e:
         print(f"parallel3d: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -99,6 +99,18 @@ class DataConfig:
     max_bytes: int = 8_000_000  # how much of the corpus to read
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     cache_dir: str = ""  # default: ~/.cache/parallel3d
+    val_fraction: float = 0.02  # stdlib: share of the documents held out for validation
+    # A dataset made by `parallel3d prepare-data` (its --out directory); when set, it is
+    # read instead of the stdlib corpus, and source / max_bytes / vocab_size / val_fraction
+    # do not apply.
+    path: str = ""
+    prefetch: int = 2  # steps of batches built ahead in a background thread; 0: in the step
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # evaluate on the validation split every N steps; 0: never
+    batches: int = 4  # global batches of the validation split per evaluation
 
 
 @dataclass
@@ -121,6 +133,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
 

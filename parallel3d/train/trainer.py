@@ -3,7 +3,7 @@
 It sees a model, a loss function, an optimizer, a micro-batch schedule and a topology; it
 never branches on which kinds of parallelism are on. One step::
 
-    micro_batches = sampler.step_indices(step)          # this dp rank's share
+    micro_batches, wait = loader.next()                 # this dp rank's share, prefetched
     loss = schedule.run(micro_batches)                  # forward + backward, grads summed
     grad_norm = optimizer.step(lr)                      # dp sync, global clip, AdamW
 
@@ -25,14 +25,13 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.config import JobConfig
-from parallel3d.distributed import all_reduce, local_rank
-from parallel3d.errors import UserError
+from parallel3d.distributed import all_reduce
 from parallel3d.models.llama import Llama
 from parallel3d.models.llama.parallelize import activation_shape, apply_recompute, parallelize_llama
 from parallel3d.pipeline import build_schedule
 from parallel3d.pipeline.timeline import write_trace
 from parallel3d.topology import Topology
-from parallel3d.train.data import GlobalBatchSampler, TokenWindows, prepare_corpus
+from parallel3d.train.data import build_train_data
 from parallel3d.train.metrics import MetricsLogger
 from parallel3d.train.optim import build_optimizer, lr_at
 from parallel3d.train.setup import check_job, resolve_model_config
@@ -53,7 +52,7 @@ class Trainer:
         self.model_cfg = resolve_model_config(cfg.model)
         check_job(cfg, self.model_cfg, topo.world_size)
 
-        self.windows = TokenWindows(self._corpus_tokens(), cfg.train.seq_len)
+        self.data = build_train_data(cfg, topo, self.device, self.model_cfg.vocab_size)
         # Every rank builds the full model from the same seed, then keeps its part, so
         # any layout starts from exactly the weights of the unsplit model.
         torch.manual_seed(cfg.train.seed)
@@ -69,31 +68,10 @@ class Trainer:
                                               cfg.train.seq_len, topo.tp,
                                               cfg.parallel.sequence_parallel),
             autocast=_autocast_for(cfg, self.device), record_steps=cfg.run.trace_steps)
-        self.sampler = GlobalBatchSampler(
-            self.windows.num_samples, cfg.train.global_batch, cfg.train.micro_batch,
-            topo.dp, topo.dp_rank, cfg.train.seed)
+        self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
         self.step = 0
         is_logger = log and topo.rank == 0
         self.metrics = MetricsLogger(Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
-
-    def _corpus_tokens(self):
-        # One process per node writes the cache; the others wait for it.
-        corpus = prepare_corpus(self.cfg.data) if local_rank() == 0 else None
-        if dist.is_initialized():
-            dist.barrier()
-        corpus = corpus or prepare_corpus(self.cfg.data)
-        vocab = corpus.meta["vocab_size"]
-        if vocab > self.model_cfg.vocab_size:
-            raise UserError(f"the tokenizer's vocabulary ({vocab}) exceeds model.vocab_size "
-                            f"{self.model_cfg.vocab_size}: raise model.vocab_size or lower data.vocab_size")
-        return corpus.tokens()
-
-    def _micro_batches(self, step: int):
-        out = []
-        for idx in self.sampler.step_indices(step):
-            x, y = self.windows.batch(idx)
-            out.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
-        return out
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -106,7 +84,8 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
-        loss = self.schedule.run(self._micro_batches(self.step))
+        micro_batches, data_wait = self.data.loader.next()  # built ahead, in the background
+        loss = self.schedule.run(micro_batches)
         # The loss all-reduce goes before the step: the sharded optimizer ends its step by
         # issuing asynchronous all-gathers on the dp group, which it would queue behind.
         loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
@@ -117,7 +96,8 @@ class Trainer:
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
         record = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics()}
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data_wait,
+                  **self.schedule.step_metrics()}
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
@@ -139,16 +119,39 @@ class Trainer:
                   f"optimizer state {mib['optimizer_state']:.1f}  "
                   f"(zero={self.cfg.parallel.zero}, all ranks in memory.json)", flush=True)
 
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over every token of ``eval.batches`` global batches of the validation
+        split (the same sequences at every evaluation).
+
+        The forward here is the plain model's (any tensor-parallel or ZeRO layout);
+        ``check_job`` refuses evaluation with pipeline parallelism, whose stages are run
+        by the schedule.
+        """
+        n_batches, autocast = self.cfg.eval.batches, _autocast_for(self.cfg, self.device)
+        total = torch.zeros((), dtype=torch.float32)
+        for b in range(n_batches):
+            micro_batches = self.data.val_micro_batches(b)
+            for inputs, targets in micro_batches:
+                with autocast():
+                    logits = self.model(inputs)
+                total += self.loss_fn(logits, targets).float().cpu() / (len(micro_batches) * n_batches)
+        return float(all_reduce(total, self.topo.dp_group) / self.topo.dp)
+
     def fit(self) -> list[dict]:
         history = []
         while self.step < self.cfg.train.steps:
             record = self.train_step()
+            interval = self.cfg.eval.interval
+            if interval and record["step"] % interval == 0:
+                record["val_loss"] = self.evaluate()
             history.append(record)
             if self.metrics is not None:
                 self.metrics.log(record, console=record["step"] % self.cfg.train.log_interval == 0
                                  or record["step"] == self.cfg.train.steps)
             if self.step == 1:  # every buffer exists after the first step
                 self._log_memory()
+        self.data.loader.close()
         if self.metrics is not None:
             self.metrics.close()
         return history
