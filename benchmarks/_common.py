@@ -100,7 +100,11 @@ def clip_global_norm(params, max_norm: float, group=None) -> torch.Tensor:
 class PeakMemory:
     """Peak memory of this rank over a run.
 
-    CUDA: ``max_memory_allocated``. CPU: the process's resident-set high-water mark
+    CUDA: ``max_memory_allocated``. CPU with ``tensors=True``: the high-water mark of the
+    bytes of all live tensors created during the run (``AllocationMeter``: weights,
+    gradients, optimizer state, activations, communication buffers; the analogue of
+    ``max_memory_allocated``; it slows every operator, so the benchmark measures memory
+    in a separate, untimed run). CPU otherwise: the process's resident-set high-water mark
     (``VmHWM``), reset at the start (``/proc/self/clear_refs`` 5) after returning freed
     heap to the OS (``malloc_trim``), minus the resident set at that point: the bytes the
     run added on top of what the process held before it (interpreter, torch, earlier
@@ -108,12 +112,19 @@ class PeakMemory:
     state, activations, communication buffers), as ``nvidia-smi`` would, not only tensors.
     """
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, tensors: bool = False):
         self.device = device
+        self.meter = None
+        if tensors and device.type == "cpu":
+            from parallel3d.zero.memory import AllocationMeter
+
+            self.meter = AllocationMeter()
 
     def __enter__(self):
         gc.collect()
-        if self.device.type == "cuda":
+        if self.meter is not None:
+            self.meter.__enter__()
+        elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -129,7 +140,10 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
+        if self.meter is not None:
+            self.meter.__exit__(*exc)
+            self.peak = self.meter.peak
+        elif self.device.type == "cuda":
             self.peak = torch.cuda.max_memory_allocated(self.device) - self.base
         else:
             self.peak = _status_kib("VmHWM") * 1024 - self.base
@@ -179,12 +193,14 @@ class Side:
     error: str = ""
 
 
-def summarize(name: str, runs: list[list[Run]], warmup: int, tokens_per_step: int) -> Side:
-    """``runs[round][rank]`` -> one :class:`Side`. A step lasts as long as its slowest rank."""
+def summarize(name: str, runs: list[list[Run]], warmup: int, tokens_per_step: int,
+              memory_run: list[Run] | None = None) -> Side:
+    """``runs[round][rank]`` -> one :class:`Side`. A step lasts as long as its slowest rank.
+    Peak memory from ``memory_run[rank]`` when given (an untimed run), else the timed runs."""
     step_times = [max(r.times[s] for r in ranks) for ranks in runs
                   for s in range(warmup, len(ranks[0].times))]
     step = statistics.median(step_times)
-    peak = max(r.peak for ranks in runs for r in ranks)
+    peak = max(r.peak for r in memory_run) if memory_run else max(r.peak for ranks in runs for r in ranks)
     losses = runs[0][0].losses
     return Side(name, step * 1e3, tokens_per_step / step, peak / 2**20, losses[-1], losses)
 

@@ -1,6 +1,6 @@
 """parallel3d against DeepSpeed and torch, end to end, one table.
 
-    python benchmarks/compare.py [--rows dp-zero1,dp-zero2,pp2,pp4,tp2,3d] [--steps 6]
+    python benchmarks/compare.py [--rows dp-zero1,dp-zero2,pp2,pp4,tp2,pp2-dp2-zero1,3d] [--steps 6]
                                  [--rounds 2] [--warmup 2] [--out table.md]
 
 Every row trains the same Llama (the ``debug`` preset: 4 layers, dim 128, vocab 2048,
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -56,15 +57,15 @@ ROWS = {
                "pp=4, 1F1B, 4 micro-batches"),
     "tp2": Row(2, {"tp": 2}, [("torch DTensor TP", peers.run_dtensor_tp, {}, None)],
                "tp=2, 4 micro-batches"),
+    "pp2-dp2-zero1": Row(4, {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
+                         [("DeepSpeed pipe+ZeRO-1", peers.run_deepspeed_pipe,
+                           {"ds_pp": 2, "ds_zero": 1}, None)],
+                         "pp=2 x dp=2, ZeRO-1: the 3d row's peer layout, run by both"),
     "3d": Row(8, {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
               [("DeepSpeed pipe+ZeRO-1 (pp=2, dp=2, 4 ranks)", peers.run_deepspeed_pipe,
                 {"ds_pp": 2, "ds_zero": 1}, 4)],
               "tp=2 x pp=2 x dp=2, ZeRO-1, 1F1B"),
 }
-
-
-def _zero_wrapped(value: float) -> float:
-    return value
 
 
 class Pools:
@@ -107,18 +108,50 @@ def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _com
                                                       args.steps, **kw, **job_kw))
             except Exception as e:  # noqa: BLE001 - reported in the table
                 errors[peer_name] = _first_error_line(str(e))
-    ours = _common.summarize("parallel3d", ours_runs, args.warmup, tokens)
-    bubbles = [b for run in ours_runs for b in run[0].extra.get("bubble_fraction", [])[args.warmup:]]
-    if row.layout.get("pp", 1) > 1 and bubbles:
-        ours.error = f"bubble {sum(bubbles) / len(bubbles):.2f}"
+    # Memory: one more, untimed run per side with every tensor allocation metered (CPU);
+    # on GPUs the timed runs' max_memory_allocated serves.
+    mem = {}
+    if not args.gpu:
+        mem["parallel3d"] = pools.run(row.world, peers.run_ours, row.layout, 2, memory_run=True, **job_kw)
+        for peer_name, fn, kw, world in row.peers:
+            if peer_name not in errors:
+                mem[peer_name] = pools.run(world or row.world, fn, row.layout, 2, memory_run=True,
+                                           **kw, **job_kw)
+    ours = _common.summarize("parallel3d", ours_runs, args.warmup, tokens, mem.get("parallel3d"))
+    ours.error = breakdown(ours_runs, args.warmup, row.layout.get("pp", 1) > 1)
     out = []
     for peer_name, *_ in row.peers:
         if peer_name in errors:
             out.append((name, ours, _common.failed(peer_name, errors[peer_name])))
         else:
             out.append((name, ours, _common.summarize(peer_name, peer_runs[peer_name],
-                                                      args.warmup, tokens)))
+                                                      args.warmup, tokens, mem.get(peer_name))))
     return out
+
+
+def breakdown(runs, warmup: int, pipeline: bool) -> str:
+    """Where parallel3d's step time goes, from the trainer's timeline: milliseconds per
+    span category (forward, backward, wait for a peer stage, optimizer incl. gradient
+    sync and clipping; 'other': the rest of the step: batch loading, loss all-reduce,
+    schedule bookkeeping), median over steps after warm-up, mean over ranks."""
+    cats: dict[str, list[float]] = {}
+    for ranks in runs:
+        n = len(ranks[0].extra["breakdown"])
+        for s in range(warmup, n):
+            per_rank = [r.extra["breakdown"][s] for r in ranks]
+            keys = {k for b in per_rank for k in b}
+            for k in keys:
+                cats.setdefault(k, []).append(statistics.mean(b.get(k, 0.0) for b in per_rank))
+            other = statistics.mean(b["step"] - sum(v for k, v in b.items() if k != "step") for b in per_rank)
+            cats.setdefault("other", []).append(other)
+    order = ["forward", "backward", "wait", "optimizer", "other"]
+    parts = [f"{k} {statistics.median(cats[k]) * 1e3:.0f}" for k in order if k in cats]
+    parts += [f"{k} {statistics.median(v) * 1e3:.0f}" for k, v in cats.items() if k not in order + ["step"]]
+    text = "ms per step: " + ", ".join(parts)
+    bubbles = [b for ranks in runs for b in ranks[0].extra.get("bubble_fraction", [])[warmup:]]
+    if pipeline and bubbles:
+        text += f"; pipeline bubble {statistics.median(bubbles):.2f} (idle share of the step window)"
+    return text
 
 
 def _first_error_line(text: str) -> str:
@@ -151,6 +184,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--out", help="also write the markdown table here")
     args = parser.parse_args()
+    import torch
+
+    args.gpu = torch.cuda.is_available()
     names = args.rows.split(",")
     unknown = [n for n in names if n not in ROWS]
     if unknown:
@@ -171,8 +207,7 @@ def main() -> None:
     finally:
         pools.close()
     text = header(args) + "\n\n" + _common.table(results) + "\n"
-    notes = [f"- {row}: parallel3d pipeline {ours.error} (idle share of the step window)"
-             for row, ours, _ in results if ours.error]
+    notes = [f"- {row}: parallel3d {ours.error}" for row, ours, _ in results if ours.error]
     text += "\n".join(dict.fromkeys(notes)) + ("\n" if notes else "")
     print(text)
     if args.out:

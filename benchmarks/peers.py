@@ -30,7 +30,7 @@ def _device() -> torch.device:
 
 # -- parallel3d ------------------------------------------------------------------------------
 
-def run_ours(layout: dict, steps: int, **job_kw) -> Run:
+def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
     """Our Trainer, end to end (its own sampler, schedule and optimizer)."""
     from parallel3d.topology import Topology
     from parallel3d.train.trainer import Trainer
@@ -38,7 +38,7 @@ def run_ours(layout: dict, steps: int, **job_kw) -> Run:
     cfg = job(layout, steps, **job_kw)
     device = _device()
     run = Run()
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, tensors=memory_run) as mem:
         trainer = Trainer(cfg, Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp),
                           device, log=False)
         for _ in range(steps):
@@ -46,6 +46,8 @@ def run_ours(layout: dict, steps: int, **job_kw) -> Run:
             run.times.append(dt)
             run.losses.append(record["loss"])
             run.extra.setdefault("bubble_fraction", []).append(record.get("bubble_fraction", 0.0))
+            run.extra.setdefault("breakdown", []).append(
+                {**trainer.schedule.timeline.step_breakdown(), "step": dt})
     run.peak = mem.peak
     return run
 
@@ -62,14 +64,19 @@ def _deepspeed():
 
 
 def _ds_config(cfg, micro: int, accum: int, zero: int, dp: int) -> dict:
+    bucket = int(cfg.parallel.bucket_mb * 2**20) // 4
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
             "train_batch_size": micro * accum * dp,
-            "gradient_clipping": cfg.train.grad_clip, "zero_optimization": {"stage": zero},
+            "gradient_clipping": cfg.train.grad_clip,
+            # buckets of parallel.bucket_mb (ours, 25 MiB of fp32) instead of DeepSpeed's
+            # 5e8 elements, which it allocates whole (1.9 GiB) whatever the model size
+            "zero_optimization": {"stage": zero, "reduce_bucket_size": bucket,
+                                  "allgather_bucket_size": bucket},
             "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
             "bf16": {"enabled": cfg.train.dtype == "bf16"}}
 
 
-def run_deepspeed_zero(layout: dict, steps: int, **job_kw) -> Run:
+def run_deepspeed_zero(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
     """DeepSpeed's engine with ZeRO ``layout['zero']`` over dp = world size."""
     deepspeed = _deepspeed()
     cfg = job(layout, steps, **job_kw)
@@ -78,7 +85,7 @@ def run_deepspeed_zero(layout: dict, steps: int, **job_kw) -> Run:
     accum = cfg.train.global_batch // (micro * dp)
     device = _device()
     run = Run()
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, tensors=memory_run) as mem:
         model = initial_model(cfg).to(device)
         engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=adamw(model.parameters(), cfg),
@@ -135,7 +142,8 @@ class _HeadPipe(nn.Module):
         return self.lm_head(self.norm(h))
 
 
-def run_deepspeed_pipe(layout: dict, steps: int, ds_pp: int, ds_zero: int = 0, **job_kw) -> Run:
+def run_deepspeed_pipe(layout: dict, steps: int, ds_pp: int, ds_zero: int = 0,
+                       memory_run: bool = False, **job_kw) -> Run:
     """DeepSpeed's PipelineEngine (its 1F1B 'TrainSchedule') with ``ds_pp`` stages and
     dp = world / ds_pp, decoder layers balanced over the stages, ZeRO ``ds_zero``."""
     deepspeed = _deepspeed()
@@ -147,7 +155,7 @@ def run_deepspeed_pipe(layout: dict, steps: int, ds_pp: int, ds_zero: int = 0, *
     data = GlobalBatches(cfg)
     device = _device()
     run = Run()
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, tensors=memory_run) as mem:
         full = initial_model(cfg)
         layers = [_EmbedPipe(full.embed_tokens),
                   *[DecoderPipe(layer, full) for layer in full.layers.values()],
@@ -173,7 +181,7 @@ def run_deepspeed_pipe(layout: dict, steps: int, ds_pp: int, ds_zero: int = 0, *
 
 # -- torch -----------------------------------------------------------------------------------
 
-def run_torch_pipelining(layout: dict, steps: int, **job_kw) -> Run:
+def run_torch_pipelining(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
     """``torch.distributed.pipelining``'s Schedule1F1B over the stages our planner cuts
     (same layers per stage), AdamW on each stage, clipping by the norm over all stages."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -187,7 +195,7 @@ def run_torch_pipelining(layout: dict, steps: int, **job_kw) -> Run:
     data = GlobalBatches(cfg)
     device = _device()
     run = Run()
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, tensors=memory_run) as mem:
         (chunk,) = cut_pipeline_stages(initial_model(cfg), Topology(1, pp, 1), cfg.parallel)
         chunk.to(device)
         stage = PipelineStage(chunk, rank, pp, device)
@@ -220,7 +228,7 @@ def run_torch_pipelining(layout: dict, steps: int, **job_kw) -> Run:
     return run
 
 
-def run_dtensor_tp(layout: dict, steps: int, **job_kw) -> Run:
+def run_dtensor_tp(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
     """torch's DTensor tensor parallelism (``parallelize_module`` with Colwise/Rowwise,
     vocab-parallel loss), tp = world size, gradient accumulation over the micro-batches."""
     from torch.distributed.tensor import DTensor, Shard
@@ -234,7 +242,7 @@ def run_dtensor_tp(layout: dict, steps: int, **job_kw) -> Run:
     data = GlobalBatches(cfg)
     device = _device()
     run = Run()
-    with PeakMemory(device) as mem:
+    with PeakMemory(device, tensors=memory_run) as mem:
         model = _dtensor_model(initial_model(cfg).to(device), sequence_parallel=False)
         params = list(model.parameters())
         dparams = [p for p in params if isinstance(p, DTensor)]
