@@ -77,3 +77,21 @@ def test_compare_runs_a_row_end_to_end(tmp_path):
     cells = [c.strip() for c in row[0].split("|")[1:-1]]
     # same weights, data and optimizer: losses agree to fp32 reduction-order noise
     assert float(cells[-1]) < 1e-5, row
+
+
+def test_timeline_step_breakdown_sums_spans_per_category():
+    import time
+
+    from parallel3d.pipeline.timeline import Timeline
+
+    tl = Timeline()
+    assert tl.step_breakdown() == {}
+    tl.start_step(1)
+    for cat, lane in (("forward", "compute"), ("forward", "compute"), ("wait", "comm")):
+        with tl.span("x", cat, lane=lane):
+            time.sleep(0.002)
+    b = tl.step_breakdown()
+    assert set(b) == {"forward", "wait"}
+    assert b["forward"] >= 0.004 and b["wait"] >= 0.002
+    tl.close_window()
+    assert tl.step_breakdown() == b  # still the last step after its window closed
