@@ -12,7 +12,8 @@ batches (``micro-batch`` sequences per micro-batch, ``accum`` micro-batches per 
 Rounds alternate the two sides. Printed per side: median step time after ``--warmup``
 steps, tokens/s, MFU (model FLOPs of ``parallel3d.flops`` over ``--peak-tflops``, dense
 bf16 peak of the GPU: 989 TFLOP/s for H100/H200 SXM per NVIDIA's datasheets) and peak
-memory (``torch.cuda.max_memory_allocated``). Without a GPU it says so and exits 1.
+memory (``torch.cuda.max_memory_allocated``). Without a GPU it says so and exits 1
+(``--cpu-smoke --preset debug`` runs the script's own code path on CPU, figures meaningless).
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ def _flops():
 
 def _job(args, steps: int):
     return job({}, steps, global_batch=args.micro_batch * args.accum, micro_batch=args.micro_batch,
-               seq_len=args.seq_len, dtype="bf16", preset="1b", run_dir="/tmp/p3d-gpu-mfu")
+               seq_len=args.seq_len, dtype="bf16", preset=args.preset, run_dir="/tmp/p3d-gpu-mfu")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def run_ours(args, device) -> tuple[list[float], float, list[float]]:
@@ -53,7 +59,7 @@ def run_ours(args, device) -> tuple[list[float], float, list[float]]:
     with PeakMemory(device) as mem:
         trainer = Trainer(_job(args, steps), Topology(1, 1, 1, rank=0, world_size=1), device, log=False)
         for _ in range(steps):
-            torch.cuda.synchronize(device)
+            _sync(device)
             t0 = time.perf_counter()
             record = trainer.train_step()  # ends with a synchronize
             times.append(time.perf_counter() - t0)
@@ -77,20 +83,20 @@ def run_plain(args, device) -> tuple[list[float], float, list[float]]:
                                 betas=(t.beta1, t.beta2), eps=t.eps, fused=True)
         for s in range(steps):
             x, y = data(s)
-            torch.cuda.synchronize(device)
+            _sync(device)
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             total = torch.zeros((), device=device)
             for i in range(0, x.shape[0], args.micro_batch):
                 xb = x[i:i + args.micro_batch].to(device, non_blocking=True)
                 yb = y[i:i + args.micro_batch].to(device, non_blocking=True)
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
                     loss = cross_entropy_loss(model(xb), yb) / args.accum
                 loss.backward()
                 total += loss.detach()
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             opt.step()
-            torch.cuda.synchronize(device)
+            _sync(device)
             times.append(time.perf_counter() - t0)
             losses.append(float(total))
     del model, opt
@@ -107,12 +113,15 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="dense bf16 peak of the GPU (H100/H200 SXM: 989)")
+    parser.add_argument("--preset", default="1b")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="run on CPU to check the script itself (figures meaningless)")
     parser.add_argument("--out", help="append the markdown table to this file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and not args.cpu_smoke:
         raise SystemExit("gpu_mfu.py needs a GPU (CUDA): none found here, nothing measured")
     flops = _flops()
-    device = torch.device("cuda", 0)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     cfg = _job(args, 1)
     from parallel3d.train.setup import resolve_model_config
 
@@ -127,10 +136,11 @@ def main() -> None:
             results[name]["times"] += times[args.warmup:]
             results[name]["peak"] = max(results[name]["peak"], peak)
             results[name]["losses"] = results[name]["losses"] or losses
-            torch.cuda.empty_cache()
-    gpu = torch.cuda.get_device_name(device)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke run, not a measurement)"
     lines = [f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {gpu}; torch {torch.__version__}; "
-             f"1b preset ({model_cfg.num_params() / 1e9:.2f} B params), bf16 autocast, "
+             f"{args.preset} preset ({model_cfg.num_params() / 1e9:.2f} B params), bf16 autocast, "
              f"{args.accum} x {args.micro_batch} x {args.seq_len} tokens per step, "
              f"{args.rounds} alternating rounds of {args.steps} steps after {args.warmup} warm-up",
              "", "| side | step ms | tokens/s | MFU | peak GiB | first / last loss |", "|---|---|---|---|---|---|"]
