@@ -93,6 +93,14 @@ class Timeline:
         self.last_bubble = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
         return self.last_bubble
 
+    def step_breakdown(self) -> dict[str, float]:
+        """Seconds per span category (forward, backward, wait, optimizer, ...) of the step
+        in progress or last closed; spans of one category on different lanes add up."""
+        out: dict[str, float] = {}
+        for _, cat, _, t0, t1, _ in (self._step or {}).get("spans", []):
+            out[cat] = out.get(cat, 0.0) + self.clock.seconds(t0, t1)
+        return out
+
     def _finish_step(self) -> None:
         step, self._step = self._step, None
         if step is None or len(self.recorded) >= self.record_steps:
