@@ -103,7 +103,8 @@ class DataConfig:
 
 @dataclass
 class LaunchConfig:
-    nproc: int = 1  # local worker processes when not already under torchrun
+    nproc: int = 1  # worker processes per node when not already under torchrun
+    nnodes: int = 1  # nodes of the job: the world size is nnodes * nproc
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     threads_per_proc: int = 0  # 0: cores / local processes
 

@@ -115,3 +115,12 @@ def check_memory_options(cfg: JobConfig) -> None:
     if train.recompute not in ("none", "full", "selective"):
         raise UserError(f"train.recompute '{train.recompute}' is not supported: "
                         "use none, full or selective")
+
+
+def job_world_size(cfg: JobConfig) -> int:
+    """The world size a recipe asks for: ``launch.nnodes * launch.nproc``."""
+    for name in ("nnodes", "nproc"):
+        value = getattr(cfg.launch, name)
+        if value < 1:
+            raise UserError(f"launch.{name} must be at least 1, got {value}")
+    return cfg.launch.nnodes * cfg.launch.nproc
