@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from parallel3d.distributed import all_reduce, local_rank
 from parallel3d.errors import UserError
 from parallel3d.models.llama import Llama
 from parallel3d.models.llama.parallelize import activation_shape, apply_recompute, parallelize_llama
+from parallel3d.observe.progress import ProgressBar, wants_bar
+from parallel3d.observe.sinks import Sinks
+from parallel3d.observe.stats import StepObserver, straggler_warning
 from parallel3d.pipeline import build_schedule
 from parallel3d.pipeline.timeline import write_trace
 from parallel3d.topology import Topology
@@ -46,6 +50,9 @@ def _autocast_for(cfg: JobConfig, device: torch.device):
 
 
 class Trainer:
+    """``step_hooks``: callables ``hook(trainer)`` run inside every step, after its forward
+    and backward and before its collectives (tests use one to slow a rank down)."""
+
     def __init__(self, cfg: JobConfig, topo: Topology, device: torch.device | None = None,
                  log: bool = True):
         self.cfg, self.topo = cfg, topo
@@ -72,9 +79,13 @@ class Trainer:
         self.sampler = GlobalBatchSampler(
             self.windows.num_samples, cfg.train.global_batch, cfg.train.micro_batch,
             topo.dp, topo.dp_rank, cfg.train.seed)
+        self.optimizer.timeline = self.schedule.timeline  # its collective waits become spans
+        self.observer = StepObserver(cfg, topo, self.device, self.model_cfg)
+        self.step_hooks: list = []
         self.step = 0
         is_logger = log and topo.rank == 0
         self.metrics = MetricsLogger(Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
+        self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
 
     def _corpus_tokens(self):
         # One process per node writes the cache; the others wait for it.
@@ -102,14 +113,23 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (the same on every rank)."""
         cfg = self.cfg.train
+        if self.step == 0 and dist.is_initialized() and self.topo.world_size > 1:
+            dist.barrier()  # start the first step together: its time is not setup's skew
         self._sync()
         t0 = time.perf_counter()
+        timeline = self.schedule.timeline
+        timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
-        loss = self.schedule.run(self._micro_batches(self.step))
+        with timeline.span("data", "data"):
+            micro_batches = self._micro_batches(self.step)
+        loss = self.schedule.run(micro_batches)
+        for hook in self.step_hooks:
+            hook(self)
         # The loss all-reduce goes before the step: the sharded optimizer ends its step by
         # issuing asynchronous all-gathers on the dp group, which it would queue behind.
-        loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
+        with timeline.span("loss all-reduce", "comm", lane="comm"):
+            loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
         with self.schedule.timeline.span("optimizer", "optimizer"):
             grad_norm = self.optimizer.step(lr)
         self._sync()
@@ -117,7 +137,8 @@ class Trainer:
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
         record = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics()}
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics(),
+                  **self.observer.collect(self.step, dt, timeline.step_spans())}
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
@@ -141,14 +162,31 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         history = []
+        bar = None
+        if self.metrics is not None and wants_bar(self.cfg.observability.progress):
+            bar = ProgressBar(self.cfg.train.steps)
         while self.step < self.cfg.train.steps:
             record = self.train_step()
             history.append(record)
             if self.metrics is not None:
-                self.metrics.log(record, console=record["step"] % self.cfg.train.log_interval == 0
-                                 or record["step"] == self.cfg.train.steps)
+                self._report(record, bar)
             if self.step == 1:  # every buffer exists after the first step
                 self._log_memory()
         if self.metrics is not None:
+            if bar is not None:
+                bar.close()
             self.metrics.close()
+            self.sinks.close()
         return history
+
+    def _report(self, record: dict, bar: ProgressBar | None) -> None:
+        """Rank 0: the record to metrics.jsonl and the sinks; the bar or a log line."""
+        step = record["step"]
+        on_interval = step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps
+        self.metrics.log(record, console=on_interval and bar is None)
+        self.sinks.log(record)
+        if bar is not None:
+            bar.update(record)
+        for s in record.get("stragglers", []):
+            print(("\n" if bar is not None else "") + straggler_warning(s, self.cfg.observability.straggler_factor),
+                  file=sys.stderr, flush=True)
