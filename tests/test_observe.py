@@ -81,14 +81,22 @@ def test_breakdown_of_spans_counts_nested_collectives_once():
     assert out == pytest.approx({"data_wait_s": 0.1, "forward_s": 0.3, "backward_s": 0.4,
                                  "optimizer_s": 0.3, "comm_exposed_s": 0.3, "bubble_s": 0.1,
                                  "other_s": 0.1})
-    assert find_stragglers([1.0, 1.1, 0.9, 2.0], 1.2) == [3]
+    assert find_stragglers([1.0, 1.1, 0.9, 2.0], 1.2) == [(3, pytest.approx(1.05))]
+    # per stage: ranks 0-1 one stage, 2-3 the other (twice the work, not a straggler)
+    assert find_stragglers([1.0, 1.0, 2.0, 3.5], 1.2, [[0, 1], [2, 3]]) == [(3, pytest.approx(2.75))]
 
 
 # -- 2x2x2 runs ------------------------------------------------------------------------------
 
-def test_breakdown_of_a_2x2x2_run_accounts_for_the_step(pools, corpus_dir, tmp_path):
-    ranks = pools(8).run(_train, _job(corpus_dir, str(tmp_path), steps=5))
-    history = ranks[0]["history"]
+@pytest.fixture(scope="module")
+def run_2x2x2(pools, corpus_dir, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("run2x2x2")
+    ranks = pools(8).run(_train, _job(corpus_dir, str(run_dir), steps=5))
+    return ranks, run_dir
+
+
+def test_breakdown_of_a_2x2x2_run_accounts_for_the_step(run_2x2x2):
+    history = run_2x2x2[0][0]["history"]
     for rec in history:
         step = rec["step_time_s"]
         fields = {k: rec[k] for k in BREAKDOWN}
@@ -130,3 +138,44 @@ def test_bad_observability_keys_are_refused(corpus_dir, tmp_path):
         job = tiny_job(corpus_dir, str(tmp_path), observability={key: value})
         with pytest.raises(UserError, match=message):
             Trainer(config_from_dict(job), Topology.single())
+
+
+def test_report_writes_a_png_with_content_and_a_summary(run_2x2x2, capsys):
+    import matplotlib.image
+
+    from parallel3d.cli import main
+
+    run_dir = run_2x2x2[1]
+    assert main(["report", str(run_dir)]) == 0
+    text = capsys.readouterr().out
+    assert "steps 5  final loss" in text and "breakdown (median, share): data wait" in text
+    assert "slowest rank" in text and "no MFU" in text
+    png = run_dir / "report.png"
+    assert png.stat().st_size > 20_000
+    img = matplotlib.image.imread(png)  # (H, W, 4) floats in [0, 1]
+    assert img.shape[:2] == (800, 1200)
+    ink = (img[..., :3].mean(axis=-1) < 0.9).mean()  # share of pixels that are not near-white
+    assert ink > 0.02, ink  # axes, curves, the stacked areas and boxes
+    assert main(["report", str(run_dir / "nothing")]) == 2  # a one-line error, not a traceback
+
+
+def test_progress_bar_redraws_one_line_with_eta():
+    from parallel3d.observe.progress import ProgressBar, wants_bar
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert wants_bar("auto", Tty()) and not wants_bar("auto", io.StringIO())
+    assert wants_bar("on", io.StringIO()) and not wants_bar("off", Tty())
+    out = Tty()
+    bar = ProgressBar(10, stream=out)
+    rec = {"loss": 5.0, "tokens_per_s": 12345.0, "peak_mem_bytes": 3 * 2**30, "mfu": 0.412}
+    bar.update({"step": 1, **rec})
+    bar.update({"step": 5, **rec})
+    bar.close()
+    text = out.getvalue()
+    assert text.count("\r") == 2 and text.endswith("\n") and "\n" not in text[:-1]
+    last = text.split("\r")[-1]
+    assert "step 5/10 [##########..........]" in last and "12,345 tok/s" in last
+    assert "MFU 41.2%" in last and "mem 3.00 GiB" in last and "ETA " in last

@@ -23,9 +23,13 @@ disjoint stretches of the step's wall time and add up to ``step_time_s``:
 
 A rank's *busy* time is ``step_time_s - comm_exposed_s - bubble_s``: the part of the step
 it was not waiting for another rank. Stragglers are judged on it, since every rank's
-step time includes the waits a slow rank causes. (A slow rank's tensor-parallel peers
-wait for it inside forward/backward, which counts as busy: their busy time rises too,
-but not above the slow rank's own.)
+step time includes the waits a slow rank causes. Every ``straggler_interval`` steps each
+rank's mean busy time over those steps is compared with the median of the ranks of its
+own pipeline stage (they run the same layers; stages legitimately differ, e.g. the one
+holding the output head): above ``straggler_factor`` times that median, it is named.
+With one rank per stage (tp = dp = 1) all ranks are compared with the overall median.
+(A slow rank's tensor-parallel peers wait for it inside forward/backward, which counts as
+busy: their busy time rises too, but not above the slow rank's own.)
 """
 
 from __future__ import annotations
@@ -88,10 +92,16 @@ def peak_memory_bytes(device: torch.device) -> tuple[int, str]:
     return rss * (1 if sys.platform == "darwin" else 1024), "cpu_max_rss"  # Linux: KiB
 
 
-def find_stragglers(busy: list[float], factor: float) -> list[int]:
-    """Ranks whose busy time exceeds ``factor`` times the median rank's."""
-    median = statistics.median(busy)
-    return [r for r, b in enumerate(busy) if b > factor * median]
+def find_stragglers(busy: list[float], factor: float, peers: list[list[int]] | None = None
+                    ) -> list[tuple[int, float]]:
+    """``(rank, median of its peers)`` for each rank whose busy time exceeds ``factor``
+    times the median of its group in ``peers`` (default: one group of every rank)."""
+    groups = peers or [list(range(len(busy)))]
+    found = []
+    for group in groups:
+        median = statistics.median(busy[r] for r in group)
+        found += [(r, median) for r in group if busy[r] > factor * median]
+    return sorted(found)
 
 
 class StepObserver:
@@ -106,6 +116,11 @@ class StepObserver:
         self.obs = cfg.observability
         self.gpu = gpu_of(device)
         self.hosts: list[str] | None = None
+        self._busy_sum: list[float] | None = None  # per rank, since the last straggler check
+        self._busy_steps = 0
+        grid = topo.grid
+        stages = [[r for r in range(topo.world_size) if grid.coords(r)["pp"] == p] for p in range(topo.pp)]
+        self.peers = stages if len(stages[0]) > 1 else None  # ranks that run the same layers
 
     def _gather(self, row: list[float]) -> list[list[float]]:
         mine = torch.tensor(row, dtype=torch.float64, device=self.device)
@@ -140,16 +155,19 @@ class StepObserver:
         record["tflops_per_device"] = self.flops_per_step / step_time / n / 1e12
         if self.gpu is not None:
             record["mfu"] = mfu(1.0 / step_time, self.flops_per_step, n, self.gpu.peak_flops)
+        self._busy_sum = [a + b for a, b in zip(self._busy_sum or [0.0] * n, busy)]
+        self._busy_steps += 1
         every = self.obs.straggler_interval
         if every > 0 and step % every == 0 and n > 1:
-            record["stragglers"] = self._stragglers(busy)
+            mean_busy = [b / self._busy_steps for b in self._busy_sum]
+            self._busy_sum, self._busy_steps = None, 0
+            record["stragglers"] = self._stragglers(mean_busy)
         return record
 
     def _stragglers(self, busy: list[float]) -> list[dict]:
         hosts = self._host_names()
-        median = statistics.median(busy)
         found = []
-        for r in find_stragglers(busy, self.obs.straggler_factor):
+        for r, median in find_stragglers(busy, self.obs.straggler_factor, self.peers):
             c = self.topo.grid.coords(r)
             found.append({"rank": r, "tp": c["tp"], "pp": c["pp"], "dp": c["dp"], "host": hosts[r],
                           "busy_s": busy[r], "median_busy_s": median})
@@ -159,4 +177,4 @@ class StepObserver:
 def straggler_warning(s: dict, factor: float) -> str:
     return (f"warning: straggler rank {s['rank']} (tp {s['tp']}, pp {s['pp']}, dp {s['dp']}, host "
             f"{s['host']}): busy {s['busy_s'] * 1e3:.0f} ms per step vs median "
-            f"{s['median_busy_s'] * 1e3:.0f} ms (> {factor:g}x)")
+            f"{s['median_busy_s'] * 1e3:.0f} ms of its pipeline stage's ranks (> {factor:g}x)")
