@@ -31,7 +31,9 @@ class MetricsLogger:
         if console:
             print(f"step {record['step']:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                   f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
-                  f"{record['step_time_s'] * 1e3:.0f} ms", file=sys.stdout, flush=True)
+                  f"{record['step_time_s'] * 1e3:.0f} ms"
+                  + (f"  MFU {record['mfu'] * 100:.1f}%" if "mfu" in record else ""),
+                  file=sys.stdout, flush=True)
 
     def close(self) -> None:
         self._file.close()
