@@ -155,6 +155,13 @@ def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
                     "ts": round((offset + t0) * 1e6, 3), "dur": round(max(0.0, t1 - t0) * 1e6, 3),
                     "args": {"step": rec["step"], **args},
                 })
+    # Spans before a step's synchronisation point (data, the sync itself) can start before
+    # rank 0's first mark on another rank: move the whole trace so that time starts at 0.
+    spans = [e for e in events if e["ph"] == "X"]
+    first = min((e["ts"] for e in spans), default=0.0)
+    if first < 0:
+        for e in spans:
+            e["ts"] = round(e["ts"] - first, 3)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
