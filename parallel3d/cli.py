@@ -1,6 +1,7 @@
 """``parallel3d`` command line.
 
     parallel3d train [RECIPE] [--dry-run] [--section.key=value ...]
+    parallel3d report RUN_DIR
     parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N --gpus-per-node G --gpu GPU ...
     parallel3d prepare-data INPUTS... --tokenizer DIR --out DIR [options]
 
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="check the whole job at its world size and print layout, stages and memory; "
                             "start nothing")
+    report = sub.add_parser("report", help="plot a run's metrics.jsonl to RUN_DIR/report.png and summarise it")
+    report.add_argument("run_dir", help="the run directory (run.dir of the recipe)")
     from parallel3d.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
@@ -123,6 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, rest)
+        if args.command == "report":
+            if rest:
+                raise UserError(f"unexpected argument(s) for report: {' '.join(rest)}")
+            from parallel3d.observe.report import write_report
+
+            write_report(args.run_dir)
+            return 0
         if args.command == "plan":
             if rest:
                 raise UserError(f"unexpected argument(s) for plan: {' '.join(rest)}")

@@ -128,6 +128,15 @@ class RunConfig:
 
 
 @dataclass
+class ObservabilityConfig:
+    progress: str = "auto"  # rank 0's live progress bar: auto (when stdout is a terminal), on, off
+    straggler_factor: float = 1.2  # warn about a rank busier than this times the median rank
+    straggler_interval: int = 10  # compare the ranks' step times every N steps (0: never)
+    tensorboard: bool = False  # also log to RUN_DIR/tensorboard (needs the tensorboard package)
+    wandb: bool = False  # also log to Weights & Biases (needs the wandb package)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -136,6 +145,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

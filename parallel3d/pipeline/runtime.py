@@ -85,8 +85,9 @@ class PipelineSchedule:
         if self.comm is not None:
             with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
                 self.comm.flush()
-        self._reduce_tied_gradients()
-        loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
+        with self.timeline.span("pp collectives", "comm", lane="comm"):
+            self._reduce_tied_gradients()
+            loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
         self.timeline.close_window()
         self.steps_run += 1
         return loss
@@ -136,7 +137,8 @@ class PipelineSchedule:
         # All stages open the step's window together, so the bubble of every stage is
         # measured over the same stretch of time (one tiny all-reduce per step).
         if self.topo.pp_group is not None:
-            all_reduce(torch.zeros(1, device=self.device), self.topo.pp_group)
+            with self.timeline.span("pipeline sync", "comm", lane="comm"):
+                all_reduce(torch.zeros(1, device=self.device), self.topo.pp_group)
 
     @torch.no_grad()
     def _reduce_tied_gradients(self) -> None:

@@ -14,6 +14,8 @@ def _extras(record: dict) -> str:
         out += f"  data_wait {record['data_wait_s'] * 1e3:.0f} ms"
     if "val_loss" in record:
         out += f"  val_loss {record['val_loss']:.4f}"
+    if "mfu" in record:
+        out += f"  MFU {record['mfu'] * 100:.1f}%"
     return out
 
 

@@ -13,6 +13,7 @@ from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError, did_you_mean
 from parallel3d.models.llama import LlamaConfig, config_from_preset
 from parallel3d.models.llama.parallelize import check_tensor_parallel
+from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
 from parallel3d.pipeline.schedules import SCHEDULES
 from parallel3d.topology import validate_layout
@@ -43,6 +44,7 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.dtype '{train.dtype}' is not supported: use auto, fp32 or bf16")
     validate_layout(par.tp, par.pp, par.dp, world_size)
+    check_observability(cfg.observability)
     check_memory_options(cfg)
     if par.zero == 2 and par.pp > 1 and model.tie_embeddings:
         # The pipeline sums a tied embedding's gradient over the first and last stage after

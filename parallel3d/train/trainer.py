@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ from parallel3d.config import JobConfig
 from parallel3d.distributed import all_reduce
 from parallel3d.models.llama import Llama
 from parallel3d.models.llama.parallelize import activation_shape, apply_recompute, parallelize_llama
+from parallel3d.observe.progress import ProgressBar, wants_bar
+from parallel3d.observe.sinks import Sinks
+from parallel3d.observe.stats import StepObserver, straggler_warning
 from parallel3d.pipeline import build_schedule
 from parallel3d.pipeline.timeline import write_trace
 from parallel3d.topology import Topology
@@ -45,6 +49,9 @@ def _autocast_for(cfg: JobConfig, device: torch.device):
 
 
 class Trainer:
+    """``step_hooks``: callables ``hook(trainer)`` run inside every step, after its forward
+    and backward and before its collectives (tests use one to slow a rank down)."""
+
     def __init__(self, cfg: JobConfig, topo: Topology, device: torch.device | None = None,
                  log: bool = True):
         self.cfg, self.topo = cfg, topo
@@ -69,9 +76,13 @@ class Trainer:
                                               cfg.parallel.sequence_parallel),
             autocast=_autocast_for(cfg, self.device), record_steps=cfg.run.trace_steps)
         self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
+        self.optimizer.timeline = self.schedule.timeline  # its collective waits become spans
+        self.observer = StepObserver(cfg, topo, self.device, self.model_cfg)
+        self.step_hooks: list = []
         self.step = 0
         is_logger = log and topo.rank == 0
         self.metrics = MetricsLogger(Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
+        self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -80,15 +91,23 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (the same on every rank)."""
         cfg = self.cfg.train
+        if self.step == 0 and dist.is_initialized() and self.topo.world_size > 1:
+            dist.barrier()  # start the first step together: its time is not setup's skew
         self._sync()
         t0 = time.perf_counter()
+        timeline = self.schedule.timeline
+        timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
-        micro_batches, data_wait = self.data.loader.next()  # built ahead, in the background
+        with timeline.span("data", "data"):  # the wait for batches built in the background
+            micro_batches, _ = self.data.loader.next()
         loss = self.schedule.run(micro_batches)
+        for hook in self.step_hooks:
+            hook(self)
         # The loss all-reduce goes before the step: the sharded optimizer ends its step by
         # issuing asynchronous all-gathers on the dp group, which it would queue behind.
-        loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
+        with timeline.span("loss all-reduce", "comm", lane="comm"):
+            loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
         with self.schedule.timeline.span("optimizer", "optimizer"):
             grad_norm = self.optimizer.step(lr)
         self._sync()
@@ -96,8 +115,8 @@ class Trainer:
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
         record = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, "data_wait_s": data_wait,
-                  **self.schedule.step_metrics()}
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics(),
+                  **self.observer.collect(self.step, dt, timeline.step_spans())}
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
@@ -140,6 +159,9 @@ class Trainer:
 
     def fit(self) -> list[dict]:
         history = []
+        bar = None
+        if self.metrics is not None and wants_bar(self.cfg.observability.progress):
+            bar = ProgressBar(self.cfg.train.steps)
         while self.step < self.cfg.train.steps:
             record = self.train_step()
             interval = self.cfg.eval.interval
@@ -147,11 +169,25 @@ class Trainer:
                 record["val_loss"] = self.evaluate()
             history.append(record)
             if self.metrics is not None:
-                self.metrics.log(record, console=record["step"] % self.cfg.train.log_interval == 0
-                                 or record["step"] == self.cfg.train.steps)
+                self._report(record, bar)
             if self.step == 1:  # every buffer exists after the first step
                 self._log_memory()
         self.data.loader.close()
         if self.metrics is not None:
+            if bar is not None:
+                bar.close()
             self.metrics.close()
+            self.sinks.close()
         return history
+
+    def _report(self, record: dict, bar: ProgressBar | None) -> None:
+        """Rank 0: the record to metrics.jsonl and the sinks; the bar or a log line."""
+        step = record["step"]
+        on_interval = step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps
+        self.metrics.log(record, console=on_interval and bar is None)
+        self.sinks.log(record)
+        if bar is not None:
+            bar.update(record)
+        for s in record.get("stragglers", []):
+            print(("\n" if bar is not None else "") + straggler_warning(s, self.cfg.observability.straggler_factor),
+                  file=sys.stderr, flush=True)
