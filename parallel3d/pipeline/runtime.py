@@ -84,6 +84,8 @@ class PipelineSchedule:
             self._exchange(batch, st)
         assert not st.stash and not st.inbox and not st.outbox, "plan left work undone"
         if self.comm is not None:
+            if self.watch is not None:
+                self.watch.enter("pipeline send/recv [last sends]", "pp")
             with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
                 self.comm.flush()
         if self.watch is not None:

@@ -7,7 +7,7 @@
 """
 
 from .numerics import LossSpikeDetector, TrainingStopped, nonfinite_reason
-from .watch import CommWatch, CommFailure, is_comm_error
+from .watch import CommFailure, CommWatch, comm_failures_reported, is_comm_error
 
 __all__ = ["CommWatch", "CommFailure", "LossSpikeDetector", "TrainingStopped",
-           "is_comm_error", "nonfinite_reason"]
+           "comm_failures_reported", "is_comm_error", "nonfinite_reason"]

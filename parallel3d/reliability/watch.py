@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -40,6 +41,20 @@ def is_comm_error(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return isinstance(exc, RuntimeError) and any(w in text for w in _COMM_ERROR_WORDS)
+
+
+@contextmanager
+def comm_failures_reported(watch: "CommWatch", passthrough: tuple = ()):
+    """Turn a communication error raised inside into :class:`CommFailure` carrying
+    ``watch.report``; other exceptions (and ``passthrough`` types) go through as they are."""
+    try:
+        yield
+    except passthrough:
+        raise
+    except Exception as e:
+        if dist.is_initialized() and is_comm_error(e):
+            raise CommFailure(watch.report(e)) from e
+        raise
 
 
 def _process_gone(pid: int) -> bool:

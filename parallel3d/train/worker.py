@@ -18,7 +18,7 @@ from parallel3d.config import JobConfig, config_from_dict
 from parallel3d.distributed import (device_for, init_from_env, pick_backend, set_cpu_threads,
                                     under_torchrun)
 from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE, UserError
-from parallel3d.reliability import CommFailure, CommWatch, TrainingStopped, is_comm_error
+from parallel3d.reliability import CommFailure, CommWatch, TrainingStopped, comm_failures_reported
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
@@ -38,15 +38,10 @@ def run_training(cfg: JobConfig, on_stop=None) -> list[dict]:
         topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, rank=0, world_size=1)
     watch = CommWatch.for_process_group(topo, rel.comm_timeout_s, rel.heartbeat_s)
     try:
-        trainer = Trainer(cfg, topo, device_for(backend), watch=watch)
-        trainer.on_stop = on_stop
-        history = trainer.fit()
-    except (UserError, TrainingStopped):
-        raise
-    except Exception as e:
-        if dist.is_initialized() and is_comm_error(e):
-            raise CommFailure(watch.report(e)) from e
-        raise
+        with comm_failures_reported(watch, passthrough=(UserError, TrainingStopped)):
+            trainer = Trainer(cfg, topo, device_for(backend), watch=watch)
+            trainer.on_stop = on_stop
+            history = trainer.fit()
     finally:
         watch.close()
     if dist.is_initialized():
