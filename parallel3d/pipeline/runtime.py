@@ -147,7 +147,11 @@ class PipelineSchedule:
         # All stages open the step's window together, so the bubble of every stage is
         # measured over the same stretch of time (one tiny all-reduce per step).
         if self.topo.pp_group is not None:
+            if self.watch is not None:
+                self.watch.enter("pipeline step-start all-reduce", "pp")
             all_reduce(torch.zeros(1, device=self.device), self.topo.pp_group)
+            if self.watch is not None:
+                self.watch.resume()
 
     @torch.no_grad()
     def _reduce_tied_gradients(self) -> None:

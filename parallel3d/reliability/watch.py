@@ -192,7 +192,8 @@ class CommWatch:
         heartbeats + 1 s, at most 15 s) for a lost rank to show before naming a rank
         that is merely somewhere else."""
         waited = time.monotonic() - self.since
-        self.close()
+        # The heartbeat goes on while this rank reports, or the peers reporting at the
+        # same time would take its silence for a death.
         if self.store is not None:
             try:
                 self._publish()
