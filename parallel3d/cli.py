@@ -21,7 +21,7 @@ def default_recipe() -> str:
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.config import load_config
-    from parallel3d.distributed import env_world_size, under_torchrun
+    from parallel3d.distributed import env_world_size, pick_backend, under_torchrun
     from parallel3d.train.setup import check_job, check_paths, check_vocab, resolve_model_config
 
     cfg = load_config(args.recipe or default_recipe(), overrides)
@@ -29,6 +29,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     if cfg.launch.nproc < 1:
         raise UserError(f"launch.nproc must be at least 1, got {cfg.launch.nproc}")
     check_job(cfg, resolve_model_config(cfg.model), world)  # fail before any worker starts
+    pick_backend(cfg.launch.backend)
     check_paths(cfg)
 
     from parallel3d.train.worker import run_worker, worker_main

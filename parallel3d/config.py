@@ -219,7 +219,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" in arg:
             key, text = arg[2:].split("=", 1)
         else:
-            if i + 1 >= len(args):
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
                 raise UserError(f"'{arg}' needs a value: --section.key=value")
             key, text = arg[2:], args[i + 1]
             i += 1
