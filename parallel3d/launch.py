@@ -46,6 +46,12 @@ def _report_failures(failures: dict, nproc: int) -> int:
     if codes == {EXIT_STOPPED}:
         return EXIT_STOPPED  # rank 0 printed why (reliability.on_nonfinite = "stop")
     killed = {r: f for r, f in failures.items() if f.exitcode < 0}
+    if not killed and codes == {EXIT_COMM}:
+        # A worker that saw a collective fail exited first; its report (above) names the
+        # operation, the group and the rank that was lost or late.
+        print(f"parallel3d: error: communication failed ({len(failures)} of {nproc} workers "
+              "reported it above); the launcher stopped the others", file=sys.stderr, flush=True)
+        return EXIT_COMM
     rank, failure = min(killed.items()) if killed else min(failures.items())
     how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
            else f"failed with exit code {failure.exitcode}")

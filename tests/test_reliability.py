@@ -213,9 +213,11 @@ def test_sigkill_of_one_of_four_ranks_ends_every_process(corpus_dir, tmp_path):
     stderr = err.read()
     assert seconds < 60 and all(_process_gone(p) for p in workers), (seconds, stderr)
     assert proc.returncode == 4, stderr
-    assert f"lost worker rank 2 (pid {victim}): it was killed by SIGKILL" in stderr, stderr
     assert "Traceback" not in stderr
-    # survivors that reported before the launcher stopped them name the same rank
-    for line in stderr.splitlines():
-        if "did not arrive" in line:
-            assert "rank 2 lost" in line, line
+    # Either the launcher saw the killed worker first and names it, or a survivor's
+    # collective failed first and its report (and any other survivor's) names it.
+    reports = [line for line in stderr.splitlines() if "did not arrive" in line]
+    launcher_named = f"lost worker rank 2 (pid {victim}): it was killed by SIGKILL" in stderr
+    assert launcher_named or reports, stderr
+    for line in reports:
+        assert f"rank 2 lost (process {victim} is gone)" in line, line

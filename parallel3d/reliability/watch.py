@@ -57,6 +57,20 @@ def comm_failures_reported(watch: "CommWatch", passthrough: tuple = ()):
         raise
 
 
+def _own_client(store):
+    """A connection of our own to the rendezvous TCPStore (torch's client is shared with
+    the process group's own use and not meant for a second thread); other stores as is."""
+    from datetime import timedelta
+
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=30))
+    return store
+
+
 def _process_gone(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -88,7 +102,7 @@ class CommWatch:
     def for_process_group(cls, topo, timeout_s: float, heartbeat_s: float) -> "CommWatch":
         store = None
         if dist.is_initialized() and topo.world_size > 1:
-            store = dist.distributed_c10d._get_default_store()
+            store = _own_client(dist.distributed_c10d._get_default_store())
         watch = cls(topo, timeout_s, heartbeat_s, store)
         watch.start()
         return watch
