@@ -25,8 +25,9 @@ def default_recipe() -> str:
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.config import load_config
-    from parallel3d.distributed import env_world_size, under_torchrun
-    from parallel3d.train.setup import check_job, job_world_size, resolve_model_config
+    from parallel3d.distributed import env_world_size, pick_backend, under_torchrun
+    from parallel3d.train.setup import (check_job, check_paths, check_vocab, job_world_size,
+                                        resolve_model_config)
 
     cfg = load_config(args.recipe or default_recipe(), overrides)
     world = job_world_size(cfg)  # checks launch.nnodes and launch.nproc
@@ -41,16 +42,18 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UserError(f"launch.nnodes {cfg.launch.nnodes} > 1: start the job with torchrun on every node "
                         "(or check it here with --dry-run)")
     check_job(cfg, resolve_model_config(cfg.model), world)  # fail before any worker starts
+    pick_backend(cfg.launch.backend)
+    check_paths(cfg)
 
-    from parallel3d.train.worker import run_training, worker_main
+    from parallel3d.train.worker import run_worker, worker_main
 
     if under_torchrun() or cfg.launch.nproc == 1:
-        run_training(cfg)
-        return 0
+        return run_worker(cfg.to_dict())
     from parallel3d.launch import launch_local
     from parallel3d.train.data import prepare_corpus
 
-    prepare_corpus(cfg.data)  # once, here, rather than racing in the workers (or: check data.path)
+    corpus = prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
+    check_vocab(corpus.vocab_size, resolve_model_config(cfg.model))
     return launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
 
 
@@ -101,8 +104,15 @@ def drop_launcher_args(argv: list[str]) -> list[str]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (status 2) like every other input error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parallel3d", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="parallel3d", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model from a TOML recipe",
                            epilog="overrides: --section.key=value, e.g. --parallel.dp=2 --launch.nproc=2")

@@ -137,6 +137,21 @@ class ObservabilityConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    """Timeouts, heartbeats, and what to do with bad numbers (``parallel3d/reliability``)."""
+
+    # Every collective and send/receive fails after this long; the survivors report the
+    # operation, the group and the rank that did not arrive, then exit.
+    comm_timeout_s: float = 300.0
+    heartbeat_s: float = 5.0  # how often each rank writes (step, operation) to the store
+    # A non-finite loss or gradient norm: "skip" drops the update (counted, logged) and
+    # goes on; "stop" saves through the checkpoint hook and exits with status 3.
+    on_nonfinite: str = "skip"
+    spike_factor: float = 3.0  # log a loss above this multiple of the recent mean (0: off)
+    spike_window: int = 20  # how many recent steps make that mean
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -146,6 +161,7 @@ class JobConfig:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -227,7 +243,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" in arg:
             key, text = arg[2:].split("=", 1)
         else:
-            if i + 1 >= len(args):
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
                 raise UserError(f"'{arg}' needs a value: --section.key=value")
             key, text = arg[2:], args[i + 1]
             i += 1
@@ -254,6 +270,8 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"recipe '{path}' is a directory: give the path of a TOML recipe file")
     if not path.is_file():
         raise UserError(f"recipe '{path}' not found: give the path of a TOML recipe")
     try:
@@ -261,6 +279,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"recipe '{path}' is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"recipe '{path}' is not UTF-8 text (byte {e.start}): "
+                        "save it as UTF-8") from None
     except OSError as e:
         raise UserError(f"recipe '{path}' cannot be read: {e.strerror}") from None
 

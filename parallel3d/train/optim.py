@@ -6,6 +6,9 @@ The optimizer interface the trainer sees (:class:`DataParallelOptimizer`)::
     ... forward / backward over the micro-batches ...
     grad_norm = opt.step(lr)   # sync gradients, clip by the global norm, update
 
+A step whose global norm is not finite (or called with ``skip=True``) still does every
+collective, so the ranks stay in step, but changes no weight and no optimizer state.
+
 so that the sharded (ZeRO) optimizer can replace it without the loop knowing.
 """
 
@@ -89,7 +92,7 @@ class DataParallelOptimizer:
             p.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, skip: bool = False) -> float:
         # Partial gradients of parameters several tp ranks hold (norms under sequence
         # parallelism, replicated kv-heads) are summed over them; then the dp mean.
         with comm_span(self.timeline, "grad sync"):
@@ -97,6 +100,8 @@ class DataParallelOptimizer:
             all_reduce_gradients(self.params, self.topo.dp_group, self.topo.dp)
         with comm_span(self.timeline, "grad norm"):
             norm = global_grad_norm(((p.grad, p) for p in self.params), self.topo)
+        if skip or not math.isfinite(float(norm)):  # the same norm on every rank
+            return float(norm)
         if self.cfg.grad_clip > 0:
             coef = clip_coefficient(norm, self.cfg.grad_clip)
             grads = [p.grad for p in self.params if p.grad is not None]

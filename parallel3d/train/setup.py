@@ -7,7 +7,9 @@ worker runs it again (under torchrun there is no launching process of ours).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
+from pathlib import Path
 
 from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError, did_you_mean
@@ -89,6 +91,20 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
             raise UserError(f"{name} must be at least {least}, got {value}")
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+    check_reliability(cfg)
+
+
+def check_reliability(cfg: JobConfig) -> None:
+    rel = cfg.reliability
+    _positive("reliability.comm_timeout_s", rel.comm_timeout_s)
+    _positive("reliability.heartbeat_s", rel.heartbeat_s)
+    _positive("reliability.spike_window", rel.spike_window)
+    if rel.on_nonfinite not in ("skip", "stop"):
+        raise UserError(f"reliability.on_nonfinite '{rel.on_nonfinite}' is not supported: "
+                        "use skip or stop")
+    if rel.spike_factor < 0 or 0 < rel.spike_factor <= 1:
+        raise UserError(f"reliability.spike_factor must be above 1 (or 0 to turn the check "
+                        f"off), got {rel.spike_factor}")
 
 
 def check_pipeline(cfg: JobConfig, n_micro: int) -> None:
@@ -134,3 +150,26 @@ def job_world_size(cfg: JobConfig) -> int:
         if value < 1:
             raise UserError(f"launch.{name} must be at least 1, got {value}")
     return cfg.launch.nnodes * cfg.launch.nproc
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """The directories the job writes (corpus cache, run directory) must be directories,
+    or creatable under a writable one."""
+    cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "parallel3d")
+    for name, value in (("data.cache_dir", cache), ("run.dir", cfg.run.dir)):
+        path = Path(value)
+        if path.exists() and not path.is_dir():
+            raise UserError(f"{name} '{value}' is a file, not a directory: give a directory path")
+        parent = path
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UserError(f"{name} '{value}' cannot be created: '{parent}' is a file")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"{name} '{value}' cannot be created: '{parent}' is not writable")
+
+
+def check_vocab(tokenizer_vocab: int, model: LlamaConfig) -> None:
+    if tokenizer_vocab > model.vocab_size:
+        raise UserError(f"the tokenizer's vocabulary ({tokenizer_vocab}) exceeds model.vocab_size "
+                        f"{model.vocab_size}: raise model.vocab_size or lower data.vocab_size")

@@ -10,6 +10,12 @@ never branches on which kinds of parallelism are on. One step::
 The schedule is the pipeline schedule (``parallel3d.pipeline``); with ``pp = 1`` it is the
 plain loop, forward and backward of each micro-batch in turn.
 
+A step whose loss or gradient norm is not finite changes no weight (the optimizer skips
+it, on every rank alike); ``reliability.on_nonfinite`` then either goes on ("skip": the
+batch is consumed, the step number and the learning-rate schedule advance, the step is
+counted in ``skipped_steps``) or stops (:class:`~parallel3d.reliability.TrainingStopped`,
+after calling ``trainer.on_stop(trainer)`` -- the checkpoint hook -- when one is set).
+
 The loss of a step is the mean over every token of the global batch: each micro-batch's
 mean is divided by the number of micro-batches, and the data-parallel ranks average.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -34,6 +41,7 @@ from parallel3d.observe.sinks import Sinks
 from parallel3d.observe.stats import StepObserver, straggler_warning
 from parallel3d.pipeline import build_schedule
 from parallel3d.pipeline.timeline import write_trace
+from parallel3d.reliability import CommWatch, LossSpikeDetector, TrainingStopped, nonfinite_reason
 from parallel3d.topology import Topology
 from parallel3d.train.data import build_train_data
 from parallel3d.train.metrics import MetricsLogger
@@ -53,8 +61,11 @@ class Trainer:
     and backward and before its collectives (tests use one to slow a rank down)."""
 
     def __init__(self, cfg: JobConfig, topo: Topology, device: torch.device | None = None,
-                 log: bool = True):
+                 log: bool = True, watch: CommWatch | None = None):
         self.cfg, self.topo = cfg, topo
+        rel = cfg.reliability
+        # Where this rank is (step, operation, group), for the report of a failed collective.
+        self.watch = watch or CommWatch(topo, rel.comm_timeout_s, rel.heartbeat_s)
         self.device = device or torch.device("cpu")
         self.model_cfg = resolve_model_config(cfg.model)
         check_job(cfg, self.model_cfg, topo.world_size)
@@ -79,7 +90,14 @@ class Trainer:
         self.optimizer.timeline = self.schedule.timeline  # its collective waits become spans
         self.observer = StepObserver(cfg, topo, self.device, self.model_cfg)
         self.step_hooks: list = []
+        self.schedule.watch = self.watch
+        # The group carrying the collectives inside forward/backward (tp all-reduces,
+        # pipeline sends, ZeRO-2 reduce-scatters), innermost first.
+        self._compute_axis = next((a for a in ("tp", "pp", "dp") if getattr(topo, a) > 1), "world")
         self.step = 0
+        self.skipped_steps = 0
+        self.spikes = LossSpikeDetector(rel.spike_factor, rel.spike_window)
+        self.on_stop = None  # called as on_stop(trainer) before a "stop" exit (checkpoint hook)
         is_logger = log and topo.rank == 0
         self.metrics = MetricsLogger(Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
         self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
@@ -99,6 +117,8 @@ class Trainer:
         timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
+        self.watch.step = self.step + 1
+        self.watch.compute("forward/backward", self._compute_axis)
         with timeline.span("data", "data"):  # the wait for batches built in the background
             micro_batches, _ = self.data.loader.next()
         loss = self.schedule.run(micro_batches)
@@ -106,20 +126,55 @@ class Trainer:
             hook(self)
         # The loss all-reduce goes before the step: the sharded optimizer ends its step by
         # issuing asynchronous all-gathers on the dp group, which it would queue behind.
+        self.watch.enter("loss all-reduce", "dp")
         with timeline.span("loss all-reduce", "comm", lane="comm"):
-            loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
+            loss = float(all_reduce(loss, self.topo.dp_group) / self.topo.dp)
+        self.watch.enter("optimizer step (gradient reduction, global norm)", "dp")
         with self.schedule.timeline.span("optimizer", "optimizer"):
-            grad_norm = self.optimizer.step(lr)
+            grad_norm = self.optimizer.step(lr, skip=not math.isfinite(loss))
         self._sync()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
-        record = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics(),
+                  **self._check_numbers(loss, grad_norm),
                   **self.observer.collect(self.step, dt, timeline.step_spans())}
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
+
+    def _check_numbers(self, loss: float, grad_norm: float) -> dict:
+        """Skip or stop on a non-finite step, flag a loss spike (same on every rank: the
+        loss and the norm are all-reduced values)."""
+        reason = nonfinite_reason(loss, grad_norm)
+        spike_mean = None if reason else self.spikes.update(loss)
+        if reason:
+            self.skipped_steps += 1
+            if self.cfg.reliability.on_nonfinite == "stop":
+                saved = ""
+                if self.on_stop is not None:
+                    self.on_stop(self)
+                    saved = " (saved by the checkpoint hook)"
+                raise TrainingStopped(
+                    f"step {self.step}: non-finite {reason}; stopped with the weights after step "
+                    f"{self.step - 1}{saved} (reliability.on_nonfinite=stop): lower train.lr, "
+                    "check the data, or set reliability.on_nonfinite=skip")
+            self._warn(f"step {self.step}: non-finite {reason}: update skipped "
+                       f"({self.skipped_steps} skipped so far)")
+        elif spike_mean is not None:
+            g = self.cfg.train.global_batch
+            start = (self.step - 1) * g
+            self._warn(f"step {self.step}: loss spike {loss:.4f} > {self.spikes.factor:g} x "
+                       f"{spike_mean:.4f} (mean of the previous {len(self.spikes.recent) - 1} steps); "
+                       f"batch = global sample positions [{start}, {start + g}), epoch "
+                       f"{start // self.data.windows.num_samples}")
+        return {"skipped": reason is not None, "skipped_steps": self.skipped_steps,
+                "loss_spike": spike_mean is not None}
+
+    def _warn(self, message: str) -> None:
+        if self.topo.rank == 0:
+            print(f"parallel3d: warning: {message}", file=sys.stderr, flush=True)
 
     def _log_memory(self) -> None:
         """Per-rank bytes of parameters, gradients and optimizer state (from storage) to
@@ -178,6 +233,7 @@ class Trainer:
                 bar.close()
             self.metrics.close()
             self.sinks.close()
+        self.watch.close()
         return history
 
     def _report(self, record: dict, bar: ProgressBar | None) -> None:

@@ -24,6 +24,8 @@ parameters ``parallelize`` left on this rank and the topology's groups.
 
 from __future__ import annotations
 
+import math
+
 from functools import partial
 
 import torch
@@ -176,7 +178,7 @@ class ZeroOptimizer:
         self.reducer.zero()
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, skip: bool = False) -> float:
         with comm_span(self.timeline, "grad sync"):
             self.wait_for_params()
             grad = self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
@@ -187,6 +189,8 @@ class ZeroOptimizer:
         with comm_span(self.timeline, "grad norm"):
             sum_over_tp_holders(self._partial_pieces, self.topo)
             norm = self._global_grad_norm()
+        if skip or not math.isfinite(float(norm)):  # same norm on every rank: all skip
+            return float(norm)
         if self.cfg.grad_clip > 0:
             grad.mul_(clip_coefficient(norm, self.cfg.grad_clip))
         self.step_count += 1
