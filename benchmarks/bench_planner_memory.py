@@ -16,13 +16,17 @@ Predicted: ``parallel3d.planner.memory`` for the same workload and layout, the r
 stage peak without the GPU fragmentation margin (no caching allocator on CPU). Ratio =
 predicted / measured; acceptance is |ratio - 1| <= 15% for every layout.
 
-With dp > 1 and ZeRO 0 the model counts the all-reduce bucket as resident; under gloo a
-rank keeps it alive past the step only in some runs (its worker thread holds its last
-work), so for the debug model (one 5 MB bucket) those ratios move by one bucket between
-runs (measured 0.91 and 1.09 for "dp2 mb4 m1").
+Known measurement limit: the profiler records allocations and frees on the threads it
+runs on. gloo's worker threads hold the tensor of the collective they ran and often drop
+that last reference on their own thread, after our wait() returned; such a free is not
+reported. The replay counts a block as freed once its address is handed out again, which
+catches most of them; one that is never reused stays counted as alive (a phantom the size
+of one gradient bucket, seen in some runs of "dp2 mb4 m1" and "dp2 zero2": measured
+54.63 instead of 49.58 MB, and 34.91 or 39.96 instead of 29.86 MB). The real runtime
+frees it within milliseconds; the model does not count it.
 
-Layouts whose keys this build refuses (tensor/pipeline parallelism or ZeRO not merged
-yet) are listed as "not available in this build", never silently dropped.
+Layouts whose keys a build refuses are listed as "not available in this build", never
+silently dropped; every layout below runs on the merged tree.
 """
 
 from __future__ import annotations
@@ -81,8 +85,11 @@ def replay_peak(trace_path: str, window: tuple[float, float]) -> int:
     for e in events:
         addr, nbytes = e["args"]["Addr"], e["args"]["Bytes"]
         if nbytes > 0:
+            # An address handed out again was freed, even if no free was reported: the
+            # profiler records only this thread, and gloo's worker threads often drop
+            # the last reference to a communicated tensor (their work's) on their own.
+            live += nbytes - sizes.get(addr, 0)
             sizes[addr] = nbytes
-            live += nbytes
         elif addr in sizes:  # frees of memory allocated before the profiler started: skip
             live -= sizes.pop(addr)
         if window[0] <= e["ts"] <= window[1]:

@@ -152,17 +152,21 @@ def ce_local_stats_ref(z: torch.Tensor, target: torch.Tensor, n_valid: int):
         m = torch.full((n,), float("-inf"), device=z.device)
         return m, torch.zeros(n, device=z.device), torch.zeros(n, device=z.device)
     m = zv.max(dim=-1).values
-    s = torch.exp(zv - m.unsqueeze(1)).sum(dim=-1)
+    s = (zv - m.unsqueeze(1)).exp_().sum(dim=-1)  # one (N, n_valid) temporary, as few as torch allows
     mine = (target >= 0) & (target < n_valid)
     zt = zv.gather(1, target.clamp(0, n_valid - 1).unsqueeze(1)).squeeze(1)
     return m, s, zt.masked_fill(~mine, 0.0)
 
 
 def ce_local_grad_ref(z, target, n_valid, m, s, scale):
+    # Computed in place in g, so that (in fp32) the only (N, v) buffer is the gradient
+    # itself, as in the fused kernel: the planner's memory model counts exactly that.
     g = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
     if n_valid:
-        p = torch.exp(z[:, :n_valid].float() - m.unsqueeze(1)) / s.unsqueeze(1)
+        p = g[:, :n_valid]  # a view: every step below writes into g
+        torch.sub(z[:, :n_valid].float(), m.unsqueeze(1), out=p)
+        p.exp_().div_(s.unsqueeze(1))
         mine = (target >= 0) & (target < n_valid)
         p.scatter_add_(1, target.clamp(0, n_valid - 1).unsqueeze(1), -mine.float().unsqueeze(1))
-        g[:, :n_valid] = p * scale.float().reshape(-1, 1)
+        p.mul_(scale.float().reshape(-1, 1))
     return g.to(z.dtype)

@@ -18,7 +18,7 @@ from parallel3d.flops import hardware_flops_per_token, mfu, model_flops_per_toke
 from parallel3d.models.llama import PRESETS, Llama, LlamaConfig
 from parallel3d.planner.calibrate import calibrate_from_run, default_efficiency
 from parallel3d.planner.hardware import GiB, gpu_named
-from parallel3d.planner.memory import in_flight, stage_memory
+from parallel3d.planner.memory import backward_moments, in_flight, stage_memory
 from parallel3d.planner.published import ANCHOR, PUBLISHED, gpt
 from parallel3d.planner.search import evaluate, recommend, search
 from parallel3d.models.llama import config_from_preset as _preset
@@ -61,7 +61,9 @@ def test_flops_match_torch_counter_and_megatron_formula():
 @pytest.mark.parametrize("zero", [0, 1, 2])
 def test_model_states_by_hand_under_each_zero_stage(zero):
     # bf16 mixed precision, dp 4, one stage: 2 B weights, 4 B fp32 master, 4 B fp32 grads,
-    # 8 B Adam; ZeRO 1 shards master + Adam by 4, ZeRO 2 also the gradients (+2 buckets)
+    # 8 B Adam; ZeRO 1 shards master + Adam by 4 and keeps the reduced fp32 gradient shard
+    # beside the full buffer; ZeRO 2 keeps only that shard (its two buckets live only
+    # inside a backward, counted there against the activations they outlive)
     layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64
     n = 2 * layer + 512 * 64 + 64 + 512 * 64  # layers, embedding, final norm, untied head
     work = Workload(SMALL, 32, 16, "bf16")
@@ -70,18 +72,19 @@ def test_model_states_by_hand_under_each_zero_stage(zero):
     assert mem.weights == 2 * n
     assert mem.master == 4 * n // (4 if zero else 1)
     assert mem.optimizer == 8 * n // (4 if zero else 1)
-    assert mem.full_grads == (4 * n if zero < 2 else 4 * n // 4 + 2 * 1024)
+    assert mem.full_grads == {0: 4 * n, 1: 4 * n + 4 * n // 4, 2: 4 * n // 4}[zero]
 
 
 def test_activations_by_hand_and_schedules_in_flight():
     # fp32, one micro-batch of 2 x 32 tokens: per layer 8 d-wide + 2 kv-wide + 4 ffn-wide
     # tensors plus the log-sum-exp (heads) and two rsqrt per token; head: 2 d (fp32) + d +
-    # logits + log-softmax, and two V-wide gradients at the start of the backward
+    # the log-softmax output (the logits are freed once the loss is computed), and two
+    # V-wide gradients at the start of the backward
     work = Workload(SMALL, 32, 2, "fp32")
     mem = stage_memory(work, Layout(micro_batch=2), 0)
     tokens = 64
     layer = tokens * 4 * (8 * 64 + 2 * 32 + 4 * 160 + 4 + 2)
-    head = tokens * 4 * (3 * 64 + 2 * 512 + 1)
+    head = tokens * 4 * (3 * 64 + 512 + 1)
     assert mem.activations == 2 * layer + head
     assert mem.backward_transient == max(tokens * 8 * 512, mem.full_grads - mem.activations)
     lay = Layout(pp=4, micro_batch=1)
@@ -89,6 +92,14 @@ def test_activations_by_hand_and_schedules_in_flight():
     assert in_flight(replace(lay, schedule="gpipe"), 8, 0) == 8
     # Megatron's interleaved warm-up + 1: 2 (pp - r - 1) + (v - 1) pp + 1 chunk-micro-batches
     assert in_flight(replace(lay, schedule="interleaved", virtual_stages=2), 8, 0) == 2 * 3 + 4 + 1
+    # the closed forms are the most chunk-micro-batches alive in the plans the runtime runs
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("interleaved", 3)):
+        for pp in (2, 4):
+            for m in (pp, 2 * pp, 3 * pp):
+                layout = Layout(pp=pp, schedule=schedule, virtual_stages=v)
+                for r in range(pp):
+                    walked = max(alive for alive, *_ in backward_moments(layout, m, r))
+                    assert in_flight(layout, m, r) == walked, (schedule, v, pp, m, r)
     # The planner uses the pipeline's split rule: the 8B head (vocab 128256 x 4096) costs
     # about 2.4 layers of GEMMs, so the last of 4 stages takes fewer of the 32 layers.
     split = layer_split(_preset("8b"), 4, 1)

@@ -45,7 +45,7 @@ def test_the_70b_recipe_is_512_ranks_and_the_cli_allocates_no_weights():
     proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe), "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "512 ranks (64 nodes x 8)" in proc.stdout and "stage 7" in proc.stdout
+    assert "512 ranks (64 nodes x 8)" in proc.stdout and "stage 1" in proc.stdout
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     # 70B fp32 weights would be 282 GB; one decoder layer alone 3.5 GB. The process stays
     # at what importing torch costs (about 0.4 GB).

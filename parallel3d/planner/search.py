@@ -73,14 +73,16 @@ def valid_layouts(work: Workload, n_gpus: int, gpus_per_node: int, fixed: dict |
             for mb in [d for d in _divisors(per_rank) if d <= MAX_MICRO_BATCH]:
                 if per_rank // mb < pp:
                     continue
-                yield from _variants(model, tp, pp, dp, mb, fixed)
+                yield from _variants(model, tp, pp, dp, mb, per_rank // mb, fixed)
 
 
-def _variants(model, tp, pp, dp, mb, fixed):
+def _variants(model, tp, pp, dp, mb, n_micro, fixed):
     schedules = [("1f1b", 1)]
     if pp > 1:
+        # interleaved: as check_job demands, micro-batches a multiple of pp
         schedules = [("gpipe", 1), ("1f1b", 1)] + [
-            ("interleaved", v) for v in VIRTUAL_STAGES if pp * v <= model.n_layers]
+            ("interleaved", v) for v in VIRTUAL_STAGES
+            if pp * v <= model.n_layers and n_micro % pp == 0]
     zeros = (0, 1, 2) if dp > 1 else (0,)
     sps = (False, True) if tp > 1 else (False,)
     for (schedule, v), zero, recompute, sp in product(schedules, zeros, ("none", "selective", "full"), sps):

@@ -8,6 +8,7 @@ one to one onto ``[parallel]`` and ``[train]`` keys (:meth:`Layout.from_config`)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from parallel3d.errors import UserError
 
@@ -91,10 +92,18 @@ def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None
     """Layers per global pipeline chunk: the pipeline's own rule
     (:func:`parallel3d.pipeline.partition.resolve_split`, weighing the output head by its
     GEMM cost), so the planner and the dry run predict the split training will use."""
+    return list(_layer_split(model, pp, virtual_stages, tuple(pp_layers) if pp_layers else None))
+
+
+@lru_cache(maxsize=None)
+def _layer_split(model, pp: int, virtual_stages: int, pp_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+    # The search asks for the same (model, pp, v) split for every micro-batch size,
+    # schedule, ZeRO stage and recompute setting; the rule's exact arithmetic is slow.
     from parallel3d.models.llama.parallelize import stage_costs
     from parallel3d.pipeline.partition import resolve_split
 
-    return resolve_split(model.n_layers, pp, virtual_stages, pp_layers, *stage_costs(model))
+    return tuple(resolve_split(model.n_layers, pp, virtual_stages,
+                               list(pp_layers) if pp_layers else None, *stage_costs(model)))
 
 
 def rank_chunks(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
