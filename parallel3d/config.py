@@ -44,6 +44,9 @@ class ModelConfig:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
     init_std: float | None = None
+    # A Hugging Face model folder (config.json + safetensors): the model's shape comes from
+    # its config.json and its weights initialize the model at any layout (fine-tuning).
+    hf_checkpoint: str = ""
 
 
 @dataclass
@@ -97,6 +100,19 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints: see parallel3d/checkpoint/ (format, atomic saves, resharding)."""
+
+    interval: int = 0  # save every N optimizer steps and at the last one; 0: never
+    dir: str = ""  # "": RUN_DIR/checkpoints
+    keep: int = 3  # complete checkpoints kept, newest first; 0: all
+    resume: str = "auto"  # auto: the latest checkpoint in dir, if any; never; or a checkpoint path
+    async_save: bool = False  # copy to host memory, write in a background thread
+    verify: bool = True  # check each file's sha256 when loading (sizes are always checked)
+    export_hf: str = ""  # at the end, write a Hugging Face folder here (relative: under RUN_DIR)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -104,6 +120,7 @@ class JobConfig:
     data: DataConfig = field(default_factory=DataConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel3d.checkpoint import Checkpointer
 from parallel3d.config import JobConfig
 from parallel3d.distributed import all_reduce, local_rank
 from parallel3d.errors import UserError
@@ -74,14 +75,22 @@ class Trainer:
         model = Llama(self.model_cfg)
         self.model, self.loss_fn = parallelize_llama(model, topo, cfg.parallel)
         self.model.to(self.device)
+        # Weights from the checkpoint being resumed (or model.hf_checkpoint) before the
+        # optimizer exists, so that any master copy it takes starts from them.
+        self.checkpointer = Checkpointer(cfg, topo, self.model_cfg)
+        self.checkpointer.load_weights(self.model)
         self.optimizer = DataParallelOptimizer(list(self.model.parameters()), cfg.train, topo)
         self.schedule = MicroBatchLoop(self.model, self.loss_fn, _autocast_for(cfg, self.device))
         self.sampler = GlobalBatchSampler(
             self.windows.num_samples, cfg.train.global_batch, cfg.train.micro_batch,
             topo.dp, topo.dp_rank, cfg.train.seed)
         self.step = 0
+        self.step = self.checkpointer.load_training_state(self)
         is_logger = log and topo.rank == 0
-        self.metrics = MetricsLogger(Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
+        resumed = self.checkpointer.resumed_from is not None
+        self.metrics = (MetricsLogger(Path(cfg.run.dir), cfg.to_dict(),
+                                      resume_step=self.step if resumed else None)
+                        if is_logger else None)
 
     def _corpus_tokens(self):
         # One process per node writes the cache; the others wait for it.
@@ -123,14 +132,22 @@ class Trainer:
         return {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
                 "tokens_per_s": tokens / dt, "step_time_s": dt}
 
-    def fit(self) -> list[dict]:
+    def fit(self, stop_at: int | None = None) -> list[dict]:
+        """Train to ``train.steps`` (or stop after step ``stop_at``, as a run that is
+        interrupted and resumed later); returns the records of the steps run."""
         history = []
-        while self.step < self.cfg.train.steps:
+        end = self.cfg.train.steps if stop_at is None else min(stop_at, self.cfg.train.steps)
+        while self.step < end:
             record = self.train_step()
             history.append(record)
             if self.metrics is not None:
                 self.metrics.log(record, console=record["step"] % self.cfg.train.log_interval == 0
                                  or record["step"] == self.cfg.train.steps)
+            self.checkpointer.maybe_save(self)
+        if self.step >= self.cfg.train.steps:
+            self.checkpointer.finish(self)
+        else:
+            self.checkpointer.writer.wait()
         if self.metrics is not None:
             self.metrics.close()
         return history
