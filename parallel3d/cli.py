@@ -1,6 +1,7 @@
 """``parallel3d`` command line.
 
     parallel3d train [RECIPE] [--section.key=value ...]
+    parallel3d convert SRC DST --to {hf,parallel3d} [--config CONFIG.json] [--dtype D]
 
 With no recipe, ``train`` runs the embedded ``recipes/debug_cpu.toml``. Errors the user
 can fix print one line and exit with status 2.
@@ -42,12 +43,36 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     return launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
 
 
+def _convert(args: argparse.Namespace) -> int:
+    from parallel3d.checkpoint.convert import convert
+
+    max_bytes = int(float(args.max_shard_gb) * 2**30)
+    if max_bytes <= 0:
+        raise UserError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    convert(args.src, args.dst, args.to, config=args.config, dtype=args.dtype,
+            verify=not args.no_verify, max_shard_bytes=max_bytes)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="parallel3d", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model from a TOML recipe",
                            epilog="overrides: --section.key=value, e.g. --parallel.dp=2 --launch.nproc=2")
     train.add_argument("recipe", nargs="?", help="TOML recipe (default: recipes/debug_cpu.toml)")
+    conv = sub.add_parser(
+        "convert", help="convert a checkpoint (Hugging Face, parallel3d, DeepSpeed) to hf or parallel3d",
+        description="Streams tensor by tensor (memory: about the largest tensor), then reads "
+                    "everything back and compares it with the source.")
+    conv.add_argument("src", help="Hugging Face folder, parallel3d checkpoint or DeepSpeed checkpoint")
+    conv.add_argument("dst", help="output folder")
+    conv.add_argument("--to", required=True, choices=["hf", "parallel3d"])
+    conv.add_argument("--config", help="Hugging Face config.json for a DeepSpeed source "
+                                       "(default: config.json beside or above it)")
+    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                      help="cast the weights (default: keep the source's dtype)")
+    conv.add_argument("--max-shard-gb", default="5", help="largest output file, GiB (default 5)")
+    conv.add_argument("--no-verify", action="store_true", help="skip reading the output back")
     return parser
 
 
@@ -58,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "convert":
+            return _convert(args)
     except UserError as e:
         print(f"parallel3d: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -58,6 +58,7 @@ class Checkpointer:
                                        async_save=c.async_save)
         self.reader: CheckpointReader | None = None
         self.resumed_from: Path | None = None
+        self.hf_config: dict | None = None  # carried into checkpoints, for the export
         self._last_saved = -1
 
     def _agree(self, value):
@@ -99,6 +100,8 @@ class Checkpointer:
             from .hf import HFFolder
 
             source, prefix = HFFolder(self.job.model.hf_checkpoint), "model/"
+            check_same_model(model_identity(source.model_config), model_identity(self.model_cfg),
+                             source.folder)
         else:
             return None
         for p in model.parameters():
@@ -107,6 +110,7 @@ class Checkpointer:
             if p.dtype == torch.float32 and source.has("master/" + pl.name):
                 name = "master/" + pl.name  # fp32 masters of a bf16 run: full precision
             p.copy_(read_block(source, name, pl, p.dtype, p.device))
+        self.hf_config = source.hf_config
         return str(source.folder)
 
     def load_training_state(self, trainer) -> int:
@@ -183,8 +187,8 @@ class Checkpointer:
                       "layout": _layout(self.job, self.topo),
                       "trainer": {"step": trainer.step, "optimizer": opt_scalars,
                                   "sampler": self._sampler_state(trainer)}}
-            if self.reader is not None and self.reader.index.hf_config:
-                fields["hf_config"] = self.reader.index.hf_config
+            if self.hf_config:
+                fields["hf_config"] = self.hf_config
         payload = RankPayload(trainer.step, self.topo.rank, snapshot(slots, copy=self.cfg.async_save),
                               meta, fields)
         self.writer.save(payload)

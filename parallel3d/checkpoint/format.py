@@ -177,8 +177,9 @@ _IDENTITY_SKIP = {"init_std", "max_seq_len"}
 
 
 def model_identity(cfg) -> dict:
-    """The model config as a JSON-able dict (every field; see :func:`check_same_model`)."""
-    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+    """The model config as it reads back from JSON (tuples become lists), every field; see
+    :func:`check_same_model`."""
+    return json.loads(json.dumps({f.name: getattr(cfg, f.name) for f in fields(cfg)}))
 
 
 def check_same_model(saved: dict, ours: dict, path: Path) -> None:

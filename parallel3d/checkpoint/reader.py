@@ -64,6 +64,22 @@ def find_checkpoint(path: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+def model_config_from_identity(model: dict, where: Path):
+    """The :class:`LlamaConfig` recorded in an index."""
+    from dataclasses import fields
+
+    from parallel3d.models.llama import LlamaConfig
+
+    known = {f.name for f in fields(LlamaConfig)}
+    unknown = sorted(set(model) - known)
+    if unknown:
+        raise CheckpointError(f"{where} records model fields {unknown} that this parallel3d does not know")
+    values = dict(model)
+    if "rope_scaling" in values:
+        values["rope_scaling"] = tuple(tuple(kv) for kv in values["rope_scaling"])
+    return LlamaConfig(**values)
+
+
 class CheckpointReader:
     """Random access to the logical tensors of one checkpoint folder.
 
@@ -132,6 +148,26 @@ class CheckpointReader:
     def names(self, prefix: str = "") -> list[str]:
         return [n for n in self.index.tensors if n.startswith(prefix)]
 
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        e = self.entry(name)
+        return e.shape, e.dtype
+
+    @property
+    def model_config(self):
+        return model_config_from_identity(self.index.model, self.folder)
+
+    @property
+    def hf_config(self) -> dict | None:
+        return self.index.hf_config
+
+    @property
+    def step(self) -> int:
+        return self.index.step
+
+    @property
+    def trainer(self) -> dict | None:
+        return self.index.trainer
+
     def read(self, name: str) -> torch.Tensor:
         e = self.entry(name)
         return self.read_region(name, (0,) * len(e.shape), e.shape)
@@ -156,6 +192,8 @@ class CheckpointReader:
                     part = f.read_box(piece.key, inner, box[1])
                 else:
                     part = f.read_box(piece.key, inner, box[1], view_shape=bshape, flat_start=flat_start)
+                if box[1] == shape:  # one piece holds the whole region: no second copy
+                    return part
                 out[tuple(slice(b - o, b - o + s) for b, o, s in zip(box[0], offsets, box[1]))] = part
                 covered += math.prod(box[1])
         if covered != math.prod(shape):

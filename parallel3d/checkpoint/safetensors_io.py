@@ -205,7 +205,7 @@ class SafetensorsFile:
     # -- reading ---------------------------------------------------------------------------
     def _pread_into(self, out: torch.Tensor, offset: int) -> None:
         """Fill the contiguous tensor ``out`` with the bytes at ``offset`` of the data region."""
-        buf = memoryview(out.view(torch.uint8).reshape(-1).numpy()).cast("B")
+        buf = memoryview(out.reshape(-1).view(torch.uint8).numpy()).cast("B")
         pos, total = 0, buf.nbytes
         while pos < total:
             got = os.preadv(self._fd, [buf[pos:]], self._data_start + offset + pos)
