@@ -188,13 +188,14 @@ class CheckpointReader:
                     continue
                 inner = tuple(b - g for b, g in zip(box[0], goff))
                 f = self._file(piece.file)
-                if flat_start is None:
-                    part = f.read_box(piece.key, inner, box[1])
+                view = {} if flat_start is None else {"view_shape": bshape, "flat_start": flat_start}
+                if box[1] == shape:  # one piece holds the whole region
+                    return f.read_box(piece.key, inner, box[1], **view)
+                dest = out[tuple(slice(b - o, b - o + s) for b, o, s in zip(box[0], offsets, box[1]))]
+                if dest.is_contiguous():  # read straight into place: no second copy
+                    f.read_box(piece.key, inner, box[1], out=dest, **view)
                 else:
-                    part = f.read_box(piece.key, inner, box[1], view_shape=bshape, flat_start=flat_start)
-                if box[1] == shape:  # one piece holds the whole region: no second copy
-                    return part
-                out[tuple(slice(b - o, b - o + s) for b, o, s in zip(box[0], offsets, box[1]))] = part
+                    dest.copy_(f.read_box(piece.key, inner, box[1], **view))
                 covered += math.prod(box[1])
         if covered != math.prod(shape):
             raise CheckpointError(f"{self.folder}: only {covered} of {math.prod(shape)} elements of "

@@ -231,12 +231,14 @@ class SafetensorsFile:
             self._pread_into(out, info.begin + lo * out.element_size())
         return out
 
-    def read_box(self, key: str, offsets, shape, *, view_shape=None, flat_start: int = 0) -> torch.Tensor:
+    def read_box(self, key: str, offsets, shape, *, view_shape=None, flat_start: int = 0,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """The box ``[offsets, offsets + shape)`` of tensor ``key``.
 
         With ``view_shape``, the elements ``[flat_start, flat_start + prod(view_shape))`` of
         the flattened tensor are read as a row-major tensor of that shape first (how a flat
-        ZeRO piece is addressed as a block)."""
+        ZeRO piece is addressed as a block). ``out``: a contiguous tensor of that shape and
+        dtype to read into (no intermediate copy)."""
         info = self.info(key)
         full = tuple(view_shape) if view_shape is not None else info.shape
         if view_shape is not None and not 0 <= flat_start <= flat_start + math.prod(full) <= math.prod(info.shape):
@@ -244,7 +246,10 @@ class SafetensorsFile:
         offsets, shape = tuple(offsets), tuple(shape)
         if len(offsets) != len(full) or any(o < 0 or o + s > f for o, s, f in zip(offsets, shape, full)):
             raise CheckpointError(f"{self.path}: box {offsets}+{shape} outside {key!r} of shape {full}")
-        out = torch.empty(shape, dtype=info.dtype)
+        if out is None:
+            out = torch.empty(shape, dtype=info.dtype)
+        elif tuple(out.shape) != shape or out.dtype != info.dtype or not out.is_contiguous():
+            raise ValueError(f"read_box out: need a contiguous {info.dtype} {shape}")
         if out.numel() == 0:
             return out
         item = out.element_size()
