@@ -56,6 +56,11 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    # Tensor parallelism: norms on sequence shards, all-gather before the column-parallel
+    # layers, reduce-scatter after the row-parallel ones (activation memory / tp).
+    sequence_parallel: bool = False
+    # GEMM of the tensor-parallel layers: auto (Triton on CUDA, torch on CPU), triton, torch.
+    linear_backend: str = "auto"
 
 
 @dataclass

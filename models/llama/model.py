@@ -225,6 +225,9 @@ class Llama(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Under sequence parallelism the hidden states hold 1/sequence_shards of the
+        # positions (set by parallelize); the rotary tables still cover the whole sequence.
+        self.sequence_shards = 1
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.reset_parameters()
@@ -251,7 +254,7 @@ class Llama(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, dim)
-        cos, sin = self.rope(h.shape[1], h.device)
+        cos, sin = self.rope(h.shape[1] * self.sequence_shards, h.device)
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError
 from parallel3d.models.llama import LlamaConfig, config_from_preset
+from parallel3d.models.llama.parallelize import check_tensor_parallel
 from parallel3d.topology import validate_layout
 
 
@@ -66,12 +67,13 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.dtype '{train.dtype}' is not supported: use auto, fp32 or bf16")
     validate_layout(par.tp, par.pp, par.dp, world_size)
-    if model.n_heads % par.tp:
-        raise UserError(f"model.n_heads {model.n_heads} is not divisible by parallel.tp {par.tp}: "
-                        "choose a tp that divides the number of heads")
-    if model.n_kv_heads % par.tp:
-        raise UserError(f"model.n_kv_heads {model.n_kv_heads} is not divisible by parallel.tp "
-                        f"{par.tp}: choose a tp that divides the number of kv-heads")
+    check_tensor_parallel(model, par.tp)  # heads, kv-heads, MLP width vs tp
+    if par.sequence_parallel and train.seq_len % par.tp:
+        raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
+                        "which parallel.sequence_parallel needs: change one or turn it off")
+    if par.linear_backend not in ("auto", "triton", "torch"):
+        raise UserError(f"parallel.linear_backend '{par.linear_backend}' is not supported: "
+                        "use auto, triton or torch")
     if model.n_layers < par.pp:
         raise UserError(f"model.n_layers {model.n_layers} is fewer than parallel.pp {par.pp}: "
                         "every pipeline stage needs at least one layer")

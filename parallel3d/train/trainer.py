@@ -26,6 +26,7 @@ from parallel3d.distributed import all_reduce, local_rank
 from parallel3d.errors import UserError
 from parallel3d.models.llama import Llama
 from parallel3d.models.llama.parallelize import parallelize_llama
+from parallel3d.tensor_parallel import sync_tensor_parallel_grads
 from parallel3d.topology import Topology
 from parallel3d.train.data import GlobalBatchSampler, TokenWindows, prepare_corpus
 from parallel3d.train.metrics import MetricsLogger
@@ -123,6 +124,9 @@ class Trainer:
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
         loss = self.schedule.run(self._micro_batches(self.step))
+        # Parameters held by several tp ranks with partial gradients (norms under sequence
+        # parallelism, replicated kv-heads): sum them; a no-op for any other layout.
+        sync_tensor_parallel_grads(self.model.parameters(), self.topo)
         grad_norm = self.optimizer.step(lr)
         loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
         self._sync()

@@ -1,0 +1,72 @@
+"""Cross-entropy over logits split by vocabulary, without ever gathering them.
+
+Rank r holds the logits of vocabulary rows ``[start_r, start_r + v)``, (N, v), v = Vp/p.
+Columns at or past the true vocabulary size (padding up to a multiple of p) are left out
+of every sum, as if they were -inf. For token i with target t_i::
+
+    local    m_ir, s_ir = max, sum exp(z - m_ir) over my columns; z_it if t_i is mine
+    MAX      m_i  = max_r m_ir                                     all-reduce of N floats
+    SUM      s_i  = sum_r s_ir exp(m_ir - m_i),  z_it = sum_r z_it  one all-reduce of 2N
+    loss_i = log s_i + m_i - z_it
+    dloss_i/dz_ij = exp(z_ij - m_i) / s_i - [j == t_i]    on the local (N, v) shard only
+
+The local passes are ``parallel3d.kernels.cross_entropy`` (one fused Triton pass each on
+CUDA, the torch reference on CPU). The forward saves the logits and two N-vectors, not
+the softmax; nothing of size V is allocated anywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .comm import group_size
+
+from parallel3d.kernels.cross_entropy import ce_local_grad, ce_local_stats
+
+
+def _all_reduce(t: torch.Tensor, group, op) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+    return t
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group, backend):
+        v = logits.shape[1]  # (N, v): this rank's columns
+        valid = max(0, min(v, vocab_size - vocab_start))  # columns past vocab_size are padding
+        local = targets - vocab_start  # (N,), outside [0, valid) when another rank owns it
+        m_mine, s_mine, z_t = ce_local_stats(logits, local, valid, backend)  # (N,) fp32 each
+        m = _all_reduce(m_mine.clone(), group, dist.ReduceOp.MAX)
+        rescale = torch.exp(m_mine - m).masked_fill(m_mine == float("-inf"), 0.0)
+        summed = _all_reduce(torch.stack([s_mine * rescale, z_t]), group, dist.ReduceOp.SUM)
+        s, z_t = summed[0], summed[1]
+        ctx.save_for_backward(logits, local, m, s)
+        ctx.valid, ctx.backend = valid, backend
+        return torch.log(s) + m - z_t  # (N,)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, local, m, s = ctx.saved_tensors
+        grad = ce_local_grad(logits, local, ctx.valid, m, s, grad_loss, ctx.backend)  # (N, v)
+        return grad, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
+                                 vocab_start: int, vocab_size: int, group,
+                                 backend: str = "auto") -> torch.Tensor:
+    """Per-token loss (shape of ``targets``) from this rank's logit columns.
+
+    logits (..., v): columns ``[vocab_start, vocab_start + v)`` of the full (..., Vp);
+    targets (...): global token ids < ``vocab_size``; group: the tp group holding the
+    other columns. Equals ``F.cross_entropy(full_logits[..., :vocab_size], targets,
+    reduction="none")``. backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
+    """
+    v = logits.shape[-1]
+    z = logits.reshape(-1, v)
+    if v > 1 and z.stride(1) != 1:
+        z = z.contiguous()
+    loss = _VocabParallelCrossEntropy.apply(z, targets.reshape(-1), vocab_start, vocab_size,
+                                            group, backend)
+    return loss.view(targets.shape)
