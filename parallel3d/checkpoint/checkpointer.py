@@ -179,7 +179,9 @@ class Checkpointer:
         slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
                  for p in trainer.model.parameters() if placements[id(p)].writer]
         opt_scalars, opt_slots = optimizer_slots(trainer.optimizer, placements)
-        slots += [s for s in opt_slots if s.flat is not None or s.placement.writer]
+        # whole blocks are equal over dp (one writer); flat shards differ over dp (each
+        # dp rank writes its own) and are equal over model-parallel replicas (the owner)
+        slots += [s for s in opt_slots if (s.placement.owner if s.flat is not None else s.placement.writer)]
         meta = {"rank": self.topo.rank, **self.topo.coords(), "rng": rng_state()}
         fields = {}
         if self.topo.rank == 0:

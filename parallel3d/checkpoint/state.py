@@ -31,7 +31,9 @@ class Placement:
     shape: tuple[int, ...]
     offsets: tuple[int, ...]
     block: tuple[int, ...]
-    writer: bool  # the one holder among replicas (dp replicas, shared tp shards) that saves it
+    writer: bool  # the one holder among all replicas (dp, shared tp shards, tied stages) that saves it
+    owner: bool = True  # the one holder among the model-parallel replicas (dp aside): saves
+    # its flat (ZeRO) shards, which differ over dp and are equal over those replicas
 
     def clipped(self) -> tuple[int, ...]:
         """The part of the block inside the logical tensor."""
@@ -69,8 +71,11 @@ def logical_param_name(name: str, model_cfg) -> str:
 def param_placements(model: torch.nn.Module, model_cfg, dp_rank: int = 0, dp: int = 1) -> dict[int, Placement]:
     """``id(param) -> Placement`` for every parameter of this rank's model part.
 
-    Parameters replicated over the data-parallel ranks are written by one of them, in
-    turn (parameter i by dp rank i mod dp), so writing is spread over all ranks."""
+    A parameter held by several tensor- or pipeline-parallel ranks (a replicated norm,
+    kv-heads shared when tp > n_kv_heads, the tied embedding on the last stage) is saved
+    by the holder ``parallelize`` marks as its owner (``p3d_norm_owner``); replicated over
+    the data-parallel ranks, by one of them in turn (parameter i by dp rank i mod dp), so
+    writing is spread over all ranks."""
     shapes = logical_shapes(model_cfg)
     out: dict[int, Placement] = {}
     for i, (name, p) in enumerate(model.named_parameters()):
@@ -87,7 +92,7 @@ def param_placements(model: torch.nn.Module, model_cfg, dp_rank: int = 0, dp: in
             if d != dim and b != s:
                 raise CheckpointError(f"parameter {name} has shape {block}, the model's is {shape}")
         owner = bool(getattr(p, "p3d_norm_owner", True))
-        out[id(p)] = Placement(logical, shape, tuple(offsets), block, owner and i % dp == dp_rank)
+        out[id(p)] = Placement(logical, shape, tuple(offsets), block, owner and i % dp == dp_rank, owner)
     return out
 
 
