@@ -108,17 +108,24 @@ def test_hf_to_parallel_layout_to_hf_is_bit_identical(kind, pools, corpus_dir, t
     assert diff < 1e-5, diff
 
 
-def test_finetuning_starts_from_the_hf_weights(corpus_dir, tmp_path):
-    """The first training loss equals transformers' loss on the same batch."""
+def test_finetuning_starts_from_the_hf_weights_and_exports(corpus_dir, tmp_path):
+    """The model initialized from the folder computes transformers' logits; a short
+    fine-tuning run exports a folder transformers loads, with the source's config."""
     hf_dir = make_hf_model("llama", tmp_path / "hf")
-    trainer = Trainer(config_from_dict(hf_job(corpus_dir, tmp_path / "run", hf_dir)), Topology.single())
+    job = hf_job(corpus_dir, tmp_path / "run", hf_dir, train={"steps": 2},
+                 checkpoint={"export_hf": "hf_out"})
+    trainer = Trainer(config_from_dict(job), Topology.single())
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa").eval()
+    tokens = torch.randint(0, 521, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        batches = trainer._micro_batches(0)
-        want = sum(torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
-                   for x, y in batches) / len(batches)
-    got = trainer.train_step()["loss"]
-    assert abs(got - want.item()) < 1e-5 * abs(want.item())  # fp32, summed in the same order
+        assert (trainer.model(tokens) - hf(tokens).logits).abs().max().item() < 1e-5
+    trainer.fit()  # interval 0, but export_hf needs (and forces) a final checkpoint
+    out = tmp_path / "run" / "hf_out"
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").eval()
+    assert tuned.config.rope_parameters["rope_type"] == "llama3"  # carried from the source
+    with torch.no_grad():
+        assert (trainer.model(tokens) - tuned(tokens).logits).abs().max().item() < 1e-5
+        assert (tuned(tokens).logits - hf(tokens).logits).abs().max().item() > 1e-4  # it trained
 
 
 def test_cli_round_trip_and_clear_errors(tmp_path, capsys):

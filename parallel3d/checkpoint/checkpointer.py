@@ -147,9 +147,13 @@ class Checkpointer:
         s = trainer.sampler
         if state is None:
             return
-        if hasattr(s, "load_state_dict"):
-            s.load_state_dict(state)
-            return
+        # A prefetching loader restarts from the restored position (what it read ahead
+        # belongs to the old one); else the sampler itself.
+        loader = getattr(getattr(trainer, "data", None), "loader", None)
+        for target in (loader, s):
+            if target is not None and hasattr(target, "load_state_dict"):
+                target.load_state_dict(state)
+                return
         for key, mine in (("seed", s.seed), ("num_samples", s.num_samples)):
             if state.get(key) != mine:
                 raise CheckpointError(f"{self.reader.folder}: the data sampler was saved with {key} "
