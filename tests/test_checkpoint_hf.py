@@ -23,6 +23,16 @@ from helpers import tiny_job
 
 transformers = pytest.importorskip("transformers")
 
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Training in this process on one thread: the pool's ranks take the other cores, and
+    two OpenMP threads spinning on a loaded 2-core machine cost seconds per step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
 # GQA (4 heads over 2 kv-heads), an odd vocabulary (not divisible by any tp), Qwen2's
 # q/k/v biases, llama3 rope scaling, tied and untied heads.
 MODELS = {
@@ -56,20 +66,22 @@ def hf_job(corpus_dir: str, run_dir: Path, hf_dir: Path, **sections) -> dict:
     return job
 
 
-def _save_at_layout(job: dict, tp: int, pp: int, dp: int, tokens: torch.Tensor):
+def _save_at_layout(job: dict, tp: int, pp: int, dp: int, tokens: torch.Tensor | None):
     """Initialize from model.hf_checkpoint at this layout, save a checkpoint (step 0), and
     return it with the parallel model's logits on ``tokens`` (gathered over tp)."""
     trainer = Trainer(config_from_dict(job), Topology(tp, pp, dp))
     trainer.checkpointer.save(trainer)
     trainer.checkpointer.writer.wait()
+    folder = str(find_checkpoint(Path(job["run"]["dir"]) / "checkpoints"))
+    if tokens is None:
+        return folder, None
     with torch.no_grad():
         logits = trainer.model(tokens)  # (B, S, padded vocab / tp): this rank's columns
     if tp > 1:
         parts = [torch.empty_like(logits) for _ in range(tp)]
         torch.distributed.all_gather(parts, logits, group=trainer.topo.tp_group)
         logits = torch.cat(parts, dim=-1)
-    logits = logits[..., :trainer.model_cfg.vocab_size]
-    return str(find_checkpoint(Path(job["run"]["dir"]) / "checkpoints")), logits
+    return folder, logits[..., :trainer.model_cfg.vocab_size]
 
 
 def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
 from parallel3d.config import config_from_dict
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
@@ -18,6 +21,16 @@ from parallel3d.train.trainer import Trainer
 from helpers import relative_diff, tiny_job
 
 STEPS, STOP = 20, 10
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Training in this process on one thread: the pool's ranks take the other cores, and
+    two OpenMP threads spinning on a loaded 2-core machine cost seconds per step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _job(corpus_dir, run_dir, tp=1, dp=1, **checkpoint):
