@@ -1,6 +1,7 @@
 """``parallel3d`` command line.
 
-    parallel3d train [RECIPE] [--section.key=value ...]
+    parallel3d train [RECIPE] [--dry-run] [--section.key=value ...]
+    parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N --gpus-per-node G --gpu GPU ...
     parallel3d convert SRC DST --to {hf,parallel3d} [--config CONFIG.json] [--dtype D]
 
 With no recipe, ``train`` runs the embedded ``recipes/debug_cpu.toml``. Errors the user
@@ -23,12 +24,20 @@ def default_recipe() -> str:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.config import load_config
     from parallel3d.distributed import env_world_size, under_torchrun
-    from parallel3d.train.setup import check_job, resolve_model_config
+    from parallel3d.train.setup import check_job, job_world_size, resolve_model_config
 
     cfg = load_config(args.recipe or default_recipe(), overrides)
-    world = env_world_size() if under_torchrun() else cfg.launch.nproc
-    if cfg.launch.nproc < 1:
-        raise UserError(f"launch.nproc must be at least 1, got {cfg.launch.nproc}")
+    world = job_world_size(cfg)  # checks launch.nnodes and launch.nproc
+    if under_torchrun():
+        world = env_world_size()
+    if args.dry_run:
+        from parallel3d.train.dryrun import dry_run
+
+        dry_run(cfg, world)
+        return 0
+    if cfg.launch.nnodes > 1 and not under_torchrun():
+        raise UserError(f"launch.nnodes {cfg.launch.nnodes} > 1: start the job with torchrun on every node "
+                        "(or check it here with --dry-run)")
     check_job(cfg, resolve_model_config(cfg.model), world)  # fail before any worker starts
 
     from parallel3d.train.worker import run_training, worker_main
@@ -60,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model from a TOML recipe",
                            epilog="overrides: --section.key=value, e.g. --parallel.dp=2 --launch.nproc=2")
     train.add_argument("recipe", nargs="?", help="TOML recipe (default: recipes/debug_cpu.toml)")
+    train.add_argument("--dry-run", action="store_true",
+                       help="check the whole job at its world size and print layout, stages and memory; "
+                            "start nothing")
+    from parallel3d.planner.cli import add_plan_parser
+
+    add_plan_parser(sub)
     conv = sub.add_parser(
         "convert", help="convert a checkpoint (Hugging Face, parallel3d, DeepSpeed) to hf or parallel3d",
         description="Streams tensor by tensor (memory: about the largest tensor), then reads "
@@ -83,9 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args, rest)
-        if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        if args.command == "plan":
+            if rest:
+                raise UserError(f"unexpected argument(s) for plan: {' '.join(rest)}")
+            from parallel3d.planner.cli import run_plan
+
+            return run_plan(args)
         if args.command == "convert":
+            if rest:
+                raise UserError(f"unexpected argument(s) for convert: {' '.join(rest)}")
             return _convert(args)
     except UserError as e:
         print(f"parallel3d: error: {e}", file=sys.stderr, flush=True)

@@ -51,7 +51,8 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """The layout: tensor x pipeline x data parallel degrees (tp innermost)."""
+    """The layout: tensor x pipeline x data parallel degrees (tp innermost), and how the
+    pipeline runs (see ``parallel3d/pipeline``)."""
 
     tp: int = 1
     pp: int = 1
@@ -61,6 +62,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # GEMM of the tensor-parallel layers: auto (Triton on CUDA, torch on CPU), triton, torch.
     linear_backend: str = "auto"
+    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2)
+    pp_layers: list[int] | None = None  # layers per chunk, by hand; default: the balanced rule
+    # ZeRO: 0 replicates optimizer state; 1 shards it (fp32 master weights and Adam
+    # moments) over the dp ranks; 2 also shards the gradients.
+    zero: int = 0
+    offload_optimizer: bool = False  # zero >= 1: master weights, moments and the Adam step on CPU
+    bucket_mb: float = 25.0  # zero >= 1: fp32 gradient bucket size for reduce-scatter/all-gather
 
 
 @dataclass
@@ -80,6 +89,9 @@ class TrainConfig:
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
     log_interval: int = 1
+    # activation recomputation: none; full (each transformer layer re-run in backward);
+    # selective (keep the matmul outputs, recompute attention and element-wise ops)
+    recompute: str = "none"
 
 
 @dataclass
@@ -94,7 +106,8 @@ class DataConfig:
 
 @dataclass
 class LaunchConfig:
-    nproc: int = 1  # local worker processes when not already under torchrun
+    nproc: int = 1  # worker processes per node when not already under torchrun
+    nnodes: int = 1  # nodes of the job: the world size is nnodes * nproc
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     threads_per_proc: int = 0  # 0: cores / local processes
 
@@ -102,6 +115,7 @@ class LaunchConfig:
 @dataclass
 class RunConfig:
     dir: str = "runs/debug"
+    trace_steps: int = 0  # write the first N steps' timeline to RUN_DIR/trace.json (0: off)
 
 
 @dataclass

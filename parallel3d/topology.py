@@ -14,6 +14,7 @@ For 8 ranks at tp=2, pp=2, dp=2::
     dp groups: [0,2] [1,3] [4,6] [5,7]
     pp groups: [0,4] [1,5] [2,6] [3,7]
     model-parallel (tp x pp) groups: [0,1,4,5] [2,3,6,7]
+    embedding groups (first + last stage, only when pp > 1): [0,4] [1,5] [2,6] [3,7]
 
 The grid arithmetic (:class:`RankGrid`) is pure and needs no processes, so layouts of
 thousands of ranks can be checked (dry runs, the planner, tests). :class:`Topology` adds
@@ -84,7 +85,15 @@ class RankGrid:
     def group_ranks_any(self, axis: str, rank: int) -> list[int]:
         if axis == "mp":
             return self.model_parallel_ranks(rank)
+        if axis == "embed":
+            return self.embedding_ranks(rank)
         return self.group_ranks(axis, rank)
+
+    def embedding_ranks(self, rank: int) -> list[int]:
+        """The first and last pipeline stage of ``rank``'s pipeline (same tp/dp
+        coordinates): the holders of a tied input embedding and output head."""
+        pp_ranks = self.group_ranks("pp", rank)
+        return sorted({pp_ranks[0], pp_ranks[-1]})
 
     def model_parallel_ranks(self, rank: int) -> list[int]:
         """Ranks holding one full model replica with ``rank`` (same dp_rank): tp x pp."""
@@ -107,6 +116,7 @@ class Topology:
         topo = Topology(tp=2, pp=2, dp=2)          # world size read from torch.distributed
         topo.tp_rank, topo.pp_rank, topo.dp_rank
         topo.tp_group, topo.pp_group, topo.dp_group, topo.mp_group
+        topo.embed_group                            # first + last stage, for tied embeddings
         topo.prev_rank, topo.next_rank              # pipeline neighbours (None at the ends)
 
     ``Topology.single()`` gives a 1x1x1 topology without any process group (tests and
@@ -132,7 +142,9 @@ class Topology:
         self.pp_ranks = self.grid.group_ranks("pp", rank)
         self.dp_ranks = self.grid.group_ranks("dp", rank)
         self.mp_ranks = self.grid.model_parallel_ranks(rank)
+        self.embed_ranks = self.grid.embedding_ranks(rank)
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = None
+        self.embed_group = None  # first + last pipeline stage (tied embeddings), pp > 1
         if create_groups and initialized and world_size > 1:
             self._create_groups(dist)
 
@@ -143,7 +155,8 @@ class Topology:
     def _create_groups(self, dist) -> None:
         # Every rank must create every group in the same order (new_group is collective
         # over the whole world); each rank keeps the one that contains it.
-        for axis in ("tp", "dp", "pp", "mp"):
+        axes = ("tp", "dp", "pp", "mp") + (("embed",) if self.pp > 1 else ())
+        for axis in axes:
             for ranks in self.grid.all_groups(axis):
                 group = dist.new_group(ranks)
                 if self.rank in ranks:

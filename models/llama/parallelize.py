@@ -2,8 +2,9 @@
 
 Data parallelism needs no change to the model. Tensor parallelism
 (:func:`apply_tensor_parallel`) swaps q/k/v/gate/up for column-parallel and o/down for
-row-parallel layers, the embedding and the head for vocabulary-parallel ones; pipeline
-stage cutting plugs in here too.
+row-parallel layers, the embedding and the head for vocabulary-parallel ones. Pipeline parallelism cuts the
+model into chunks first (:func:`cut_pipeline_stages`); tensor parallelism is then applied
+to each chunk.
 
 Tensor parallelism over p ranks, per decoder layer (Megatron's split)::
 
@@ -28,13 +29,19 @@ models too big to build whole, see :mod:`parallel3d.models.llama.sharded_init`.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts, noop_context_fn)
 
 from parallel3d.errors import UserError
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, enter_tensor_parallel_region,
                                         mark_replicated, padded_size, vocab_parallel_cross_entropy)
+from parallel3d.pipeline.partition import layer_ranges, rank_chunks, resolve_split
 
 from .model import Llama, LlamaConfig
 
@@ -130,11 +137,142 @@ def apply_tensor_parallel(model: Llama, topo, sequence_parallel: bool = False,
     return model
 
 
-def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[Llama, callable]:
-    """Return (this rank's model, its loss function)."""
+def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, callable]:
+    """Return (this rank's model, its loss function).
+
+    Pipeline parallelism first cuts this rank's chunks (:func:`cut_pipeline_stages`), then
+    tensor parallelism splits each chunk (:func:`apply_tensor_parallel`). With ``pp > 1``
+    the model is a :class:`PipelineStage`: this rank's chunks under the unsplit parameter
+    names, run by the pipeline schedule through ``.pipeline_chunks``.
+    """
+    chunks = cut_pipeline_stages(model, topo, parallel_cfg) if topo.pp > 1 else [model]
+    for chunk in chunks:
+        apply_tensor_parallel(chunk, topo, parallel_cfg.sequence_parallel, parallel_cfg.linear_backend)
     if topo.pp > 1:
-        raise UserError("parallel.pp > 1 is not implemented yet: use parallel.pp=1")
+        mark_tied_embeddings(chunks)
+        model = PipelineStage(chunks)
     if topo.tp == 1:
         return model, cross_entropy_loss
-    apply_tensor_parallel(model, topo, parallel_cfg.sequence_parallel, parallel_cfg.linear_backend)
-    return model, VocabParallelLoss(model.cfg.vocab_size, topo.tp_rank, topo.tp, topo.tp_group)
+    return model, VocabParallelLoss(chunks[0].cfg.vocab_size, topo.tp_rank, topo.tp, topo.tp_group)
+
+
+# -- pipeline stages -----------------------------------------------------------------------
+
+def activation_shape(model_cfg: LlamaConfig, micro_batch: int, seq_len: int, tp: int = 1,
+                     sequence_parallel: bool = False) -> tuple[int, int, int]:
+    """What one pipeline stage hands the next (and the gradient that comes back): the
+    hidden states ``(micro_batch, seq_len, dim)``, or ``(micro_batch, seq_len/tp, dim)``
+    under sequence parallelism, where each tp rank holds its shard of the positions."""
+    return (micro_batch, seq_len // tp if sequence_parallel else seq_len, model_cfg.dim)
+
+
+def stage_costs(cfg: LlamaConfig) -> tuple[float, float]:
+    """(embedding, head) cost in decoder layers, by GEMM FLOPs per token (the split rule
+    of ``parallel3d.pipeline.partition``). The embedding is a gather: 0. The head is one
+    ``dim x vocab`` GEMM against the layer's attention and MLP GEMMs. Tensor parallelism
+    divides both alike, so the ratio holds for any tp."""
+    hd = cfg.head_dim
+    layer = 2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.n_kv_heads * hd + 3 * cfg.dim * cfg.ffn_dim
+    return 0.0, cfg.vocab_size * cfg.dim / layer
+
+
+def cut_pipeline_stages(model: Llama, topo, parallel_cfg) -> list[Llama]:
+    """This rank's chunks of ``model`` (one per virtual stage, in order), each a Llama over
+    a contiguous run of layers that shares its modules with ``model``: the first chunk of
+    the pipeline keeps the embedding, the last the final norm and the head. Layers keep
+    their global keys, so parameter names are those of the unsplit model.
+
+    With tied embeddings the first and last stage both hold the one matrix: the pipeline
+    schedule sums its gradient over ``topo.embed_group``, and the last stage's copy is
+    left out of the gradient norm (``p3d_norm_owner = False``)."""
+    cfg = model.cfg
+    v = parallel_cfg.virtual_stages
+    counts = resolve_split(cfg.n_layers, topo.pp, v, parallel_cfg.pp_layers, *stage_costs(cfg))
+    ranges = layer_ranges(counts)
+    last = len(counts) - 1
+    return [_chunk(model, ranges[c], first=c == 0, last=c == last)
+            for c in rank_chunks(topo.pp_rank, topo.pp, v)]
+
+
+def mark_tied_embeddings(chunks: list[Llama]) -> None:
+    """Under pp > 1 with tied embeddings, mark the first stage's embedding and the last
+    stage's head (after tensor parallelism made them their final parameters): the
+    schedule sums their gradient over ``topo.embed_group`` and the norm counts it once."""
+    if chunks[0].cfg.tie_embeddings:
+        for chunk in chunks:
+            if chunk.embed_tokens is not None:
+                chunk.embed_tokens.weight.p3d_tied_embedding = True
+            if chunk.lm_head is not None:
+                chunk.lm_head.weight.p3d_tied_embedding = True
+                chunk.lm_head.weight.p3d_norm_owner = False  # counted on the first stage
+
+
+def _chunk(model: Llama, layers: range, first: bool, last: bool) -> Llama:
+    # The shell is built on the meta device (no memory, no initialisation cost) and then
+    # given the real modules of its part.
+    with torch.device("meta"):
+        chunk = Llama(model.cfg)
+    chunk.embed_tokens = model.embed_tokens if first else None
+    chunk.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+    chunk.norm = model.norm if last else None
+    chunk.lm_head = model.lm_head if last else None
+    return chunk
+
+
+class PipelineStage(nn.Module):
+    """This rank's chunks gathered under the unsplit names (``embed_tokens``,
+    ``layers.<global index>``, ``norm``, ``lm_head``, whichever it holds), so parameters,
+    ``state_dict`` keys and checkpoints do not depend on the split. It is not called: the
+    schedule runs each of ``pipeline_chunks`` (a plain list, so nothing is registered
+    twice)."""
+
+    def __init__(self, chunks: list[Llama]):
+        super().__init__()
+        self.pipeline_chunks = chunks
+        self.embed_tokens = chunks[0].embed_tokens
+        self.layers = nn.ModuleDict({k: layer for c in chunks for k, layer in c.layers.items()})
+        self.norm = chunks[-1].norm
+        self.lm_head = chunks[-1].lm_head
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a PipelineStage is run chunk by chunk by the pipeline schedule "
+                           "(parallel3d.pipeline), not called as a whole")
+
+
+# -- activation recomputation ---------------------------------------------------------------
+
+# Selective recomputation keeps what is costly to recompute and cheap to store relative to
+# it: the outputs of the matrix multiplications (q, k, v, o, gate, up, down). Everything
+# else in the layer (RMSNorm, RoPE, attention itself, SiLU * up, residual adds) is re-run
+# in the backward pass from those saved outputs.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def _keep_matmul_outputs(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recomputed_forward(forward, context_fn, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def apply_recompute(model: Llama, mode: str) -> Llama:
+    """Activation recomputation on each decoder layer this rank holds (in place).
+
+    ``full``: a layer keeps only its input and re-runs its whole forward in the backward
+    pass. ``selective``: the layer keeps its matmul outputs and re-runs the rest (torch's
+    selective activation checkpointing with :func:`_keep_matmul_outputs` as policy).
+    Either way the gradients are those of ``none``: the same ops on the same inputs.
+    """
+    if mode == "none":
+        return model
+    if mode not in ("full", "selective"):
+        raise UserError(f"train.recompute '{mode}' is not supported: use none, full or selective")
+    context_fn = (partial(create_selective_checkpoint_contexts, _keep_matmul_outputs)
+                  if mode == "selective" else noop_context_fn)
+    for layer in model.layers.values():
+        if getattr(layer, "p3d_recompute", None) is not None:
+            raise ValueError(f"recompute already applied ({layer.p3d_recompute})")
+        layer.forward = partial(_recomputed_forward, layer.forward, context_fn)
+        layer.p3d_recompute = mode
+    return model

@@ -9,7 +9,8 @@ of the batch's gradient on each (marked ``p.p3d_tp_partial_grad`` by the layers)
   than n_kv_heads): each holder's query heads contribute a part of the gradient.
 
 :func:`sync_tensor_parallel_grads` sums those parts, once per optimizer step after the
-last backward (gradient accumulation sums the micro-batches first, so one collective per
+last backward (the optimizer calls it: it owns every gradient reduction; the sharded
+optimizer sums the same parts on its reduced gradient shard instead) (gradient accumulation sums the micro-batches first, so one collective per
 step suffices). Parameters sharing the same ``p3d_tp_shared`` are flattened into one
 buffer: one all-reduce for all norm weights, one for all replicated kv projections.
 """
@@ -31,12 +32,21 @@ def partial_grad_params(params) -> list[torch.nn.Parameter]:
 def sync_tensor_parallel_grads(params, topo) -> None:
     """``g <- sum of g over the tp ranks holding the same copy`` for every parameter
     marked ``p3d_tp_partial_grad`` (a no-op when there are none or tp == 1)."""
-    if topo.tp == 1 or topo.tp_group is None:
+    sum_over_tp_holders([(p.grad, p.p3d_tp_shared) for p in partial_grad_params(params)
+                         if p.grad is not None], topo)
+
+
+@torch.no_grad()
+def sum_over_tp_holders(pieces: list[tuple[torch.Tensor, int]], topo) -> None:
+    """Sum each tensor, in place, over the runs of ``shared`` consecutive tp ranks that hold
+    it. ``pieces`` pairs a gradient (or any piece of one, such as a ZeRO shard's slice of
+    it: every tp rank must pass pieces of the same shapes in the same order) with its
+    ``p3d_tp_shared``."""
+    if topo.tp == 1 or topo.tp_group is None or not pieces:
         return
     by_shared: dict[int, list[torch.Tensor]] = defaultdict(list)
-    for p in partial_grad_params(params):
-        if p.grad is not None:
-            by_shared[p.p3d_tp_shared].append(p.grad)
+    for g, shared in pieces:
+        by_shared[shared].append(g)
     for shared, grads in sorted(by_shared.items()):
         flat = _flatten_dense_tensors(grads)  # (n,)
         if shared == topo.tp:

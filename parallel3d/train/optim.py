@@ -18,6 +18,7 @@ import torch
 from parallel3d.config import TrainConfig
 from parallel3d.data_parallel import all_reduce_gradients
 from parallel3d.distributed import all_reduce
+from parallel3d.tensor_parallel.grad_sync import sync_tensor_parallel_grads
 from parallel3d.topology import Topology
 
 
@@ -32,10 +33,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+def applies_weight_decay(p: torch.nn.Parameter) -> bool:
     """Weight decay on matrices and embeddings, none on vectors (norm weights, biases)."""
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
+    return p.ndim >= 2
+
+
+def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[dict]:
+    decay = [p for p in params if applies_weight_decay(p)]
+    no_decay = [p for p in params if not applies_weight_decay(p)]
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
@@ -83,6 +88,9 @@ class DataParallelOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> float:
+        # Partial gradients of parameters several tp ranks hold (norms under sequence
+        # parallelism, replicated kv-heads) are summed over them; then the dp mean.
+        sync_tensor_parallel_grads(self.params, self.topo)
         all_reduce_gradients(self.params, self.topo.dp_group, self.topo.dp)
         norm = global_grad_norm(((p.grad, p) for p in self.params), self.topo)
         if self.cfg.grad_clip > 0:
@@ -99,3 +107,23 @@ class DataParallelOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state)
+
+
+def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology, model=None):
+    """The optimizer for ``parallel.zero``: 0 gives :class:`DataParallelOptimizer`, 1 and 2
+    the sharded :class:`~parallel3d.zero.ZeroOptimizer`. With ``model`` given, the sharded
+    optimizer overlaps its post-step all-gather with the next forward pass.
+
+    Mixed precision under ZeRO: with bf16 (``train.dtype`` bf16, or auto on CUDA) the
+    parameters are stored in bf16 and the optimizer keeps fp32 master weights; zero=0
+    keeps fp32 parameters under bf16 autocast."""
+    params = list(params)
+    if parallel_cfg.zero == 0:
+        return DataParallelOptimizer(params, train_cfg, topo)
+    from parallel3d.zero import ZeroOptimizer
+
+    device = params[0].device
+    bf16 = train_cfg.dtype == "bf16" or (train_cfg.dtype == "auto" and device.type == "cuda")
+    return ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
+                         bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
+                         param_dtype=torch.bfloat16 if bf16 else torch.float32, model=model)

@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from parallel3d.config import JobConfig, ModelConfig
-from parallel3d.errors import UserError
+from parallel3d.errors import UserError, did_you_mean
 from parallel3d.models.llama import LlamaConfig, config_from_preset
 from parallel3d.models.llama.parallelize import check_tensor_parallel
+from parallel3d.pipeline.partition import check_split
+from parallel3d.pipeline.schedules import SCHEDULES
 from parallel3d.topology import validate_layout
 
 
@@ -67,6 +69,13 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.dtype '{train.dtype}' is not supported: use auto, fp32 or bf16")
     validate_layout(par.tp, par.pp, par.dp, world_size)
+    check_memory_options(cfg)
+    if par.zero == 2 and par.pp > 1 and model.tie_embeddings:
+        # The pipeline sums a tied embedding's gradient over the first and last stage after
+        # the backward; stage 2 has already reduce-scattered it by then, into buckets laid
+        # out differently on the two stages.
+        raise UserError("parallel.zero=2 with parallel.pp > 1 does not support tied embeddings "
+                        "yet: use parallel.zero=1, or model.tie_embeddings=false")
     check_tensor_parallel(model, par.tp)  # heads, kv-heads, MLP width vs tp
     if par.sequence_parallel and train.seq_len % par.tp:
         raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
@@ -77,6 +86,9 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if model.n_layers < par.pp:
         raise UserError(f"model.n_layers {model.n_layers} is fewer than parallel.pp {par.pp}: "
                         "every pipeline stage needs at least one layer")
+    if par.virtual_stages < 1:
+        raise UserError(f"parallel.virtual_stages must be >= 1, got {par.virtual_stages}")
+    check_split(model.n_layers, par.pp, par.virtual_stages, par.pp_layers)
     per_step = train.micro_batch * par.dp
     if train.global_batch % per_step:
         raise UserError(
@@ -88,5 +100,53 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
             f"{n_micro} micro-batches per step (train.global_batch {train.global_batch} / "
             f"(micro_batch {train.micro_batch} * dp {par.dp})) is fewer than parallel.pp "
             f"{par.pp}: raise train.global_batch or lower train.micro_batch")
+    check_pipeline(cfg, n_micro)
+    if cfg.run.trace_steps < 0:
+        raise UserError(f"run.trace_steps must be >= 0 (0: no trace), got {cfg.run.trace_steps}")
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+
+
+def check_pipeline(cfg: JobConfig, n_micro: int) -> None:
+    """The schedule's name and what it needs of the stages and micro-batches."""
+    par = cfg.parallel
+    if par.schedule not in SCHEDULES:
+        raise UserError(f"parallel.schedule '{par.schedule}' is unknown{did_you_mean(par.schedule, SCHEDULES)}: "
+                        f"use one of {', '.join(SCHEDULES)}")
+    if par.schedule == "interleaved":
+        if par.pp < 2 or par.virtual_stages < 2:
+            raise UserError(f"parallel.schedule 'interleaved' needs parallel.pp >= 2 and "
+                            f"parallel.virtual_stages >= 2, got pp {par.pp} and virtual_stages "
+                            f"{par.virtual_stages}: raise them or use schedule '1f1b'")
+        if n_micro % par.pp:
+            raise UserError(f"the interleaved schedule needs the micro-batches per step ({n_micro} = "
+                            f"train.global_batch {cfg.train.global_batch} / (micro_batch "
+                            f"{cfg.train.micro_batch} * dp {par.dp})) to be a multiple of "
+                            f"parallel.pp {par.pp}: change train.global_batch or train.micro_batch")
+    elif par.virtual_stages != 1:
+        raise UserError(f"parallel.virtual_stages {par.virtual_stages} needs parallel.schedule "
+                        f"'interleaved' (schedule '{par.schedule}' runs one chunk per stage)")
+
+
+def check_memory_options(cfg: JobConfig) -> None:
+    """ZeRO, optimizer offload and activation recomputation settings."""
+    par, train = cfg.parallel, cfg.train
+    if par.zero not in (0, 1, 2):
+        raise UserError(f"parallel.zero must be 0, 1 or 2, got {par.zero}")
+    if par.offload_optimizer and par.zero == 0:
+        raise UserError("parallel.offload_optimizer needs the sharded optimizer: "
+                        "set parallel.zero=1 or 2 (or parallel.offload_optimizer=false)")
+    if par.bucket_mb <= 0:
+        raise UserError(f"parallel.bucket_mb must be positive, got {par.bucket_mb}")
+    if train.recompute not in ("none", "full", "selective"):
+        raise UserError(f"train.recompute '{train.recompute}' is not supported: "
+                        "use none, full or selective")
+
+
+def job_world_size(cfg: JobConfig) -> int:
+    """The world size a recipe asks for: ``launch.nnodes * launch.nproc``."""
+    for name in ("nnodes", "nproc"):
+        value = getattr(cfg.launch, name)
+        if value < 1:
+            raise UserError(f"launch.{name} must be at least 1, got {value}")
+    return cfg.launch.nnodes * cfg.launch.nproc

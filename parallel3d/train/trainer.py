@@ -7,6 +7,9 @@ never branches on which kinds of parallelism are on. One step::
     loss = schedule.run(micro_batches)                  # forward + backward, grads summed
     grad_norm = optimizer.step(lr)                      # dp sync, global clip, AdamW
 
+The schedule is the pipeline schedule (``parallel3d.pipeline``); with ``pp = 1`` it is the
+plain loop, forward and backward of each micro-batch in turn.
+
 The loss of a step is the mean over every token of the global batch: each micro-batch's
 mean is divided by the number of micro-batches, and the data-parallel ranks average.
 """
@@ -14,6 +17,7 @@ mean is divided by the number of micro-batches, and the data-parallel ranks aver
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 
@@ -25,33 +29,14 @@ from parallel3d.config import JobConfig
 from parallel3d.distributed import all_reduce, local_rank
 from parallel3d.errors import UserError
 from parallel3d.models.llama import Llama
-from parallel3d.models.llama.parallelize import parallelize_llama
-from parallel3d.tensor_parallel import sync_tensor_parallel_grads
+from parallel3d.models.llama.parallelize import activation_shape, apply_recompute, parallelize_llama
+from parallel3d.pipeline import build_schedule
+from parallel3d.pipeline.timeline import write_trace
 from parallel3d.topology import Topology
 from parallel3d.train.data import GlobalBatchSampler, TokenWindows, prepare_corpus
 from parallel3d.train.metrics import MetricsLogger
-from parallel3d.train.optim import DataParallelOptimizer, lr_at
+from parallel3d.train.optim import build_optimizer, lr_at
 from parallel3d.train.setup import check_job, resolve_model_config
-
-
-class MicroBatchLoop:
-    """The schedule without pipeline parallelism: forward and backward each micro-batch
-    in turn, gradients accumulating in ``.grad``. Returns the step's mean loss on this
-    rank (a detached scalar)."""
-
-    def __init__(self, model, loss_fn, autocast):
-        self.model, self.loss_fn, self.autocast = model, loss_fn, autocast
-
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        n = len(micro_batches)
-        total = torch.zeros((), dtype=torch.float32)
-        for inputs, targets in micro_batches:
-            with self.autocast():
-                logits = self.model(inputs)
-            loss = self.loss_fn(logits, targets) / n
-            loss.backward()
-            total += loss.detach().float().cpu()
-        return total
 
 
 def _autocast_for(cfg: JobConfig, device: torch.device):
@@ -75,13 +60,20 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model = Llama(self.model_cfg)
         self.model, self.loss_fn = parallelize_llama(model, topo, cfg.parallel)
+        apply_recompute(self.model, cfg.train.recompute)
         self.model.to(self.device)
         # Weights from the checkpoint being resumed (or model.hf_checkpoint) before the
         # optimizer exists, so that any master copy it takes starts from them.
         self.checkpointer = Checkpointer(cfg, topo, self.model_cfg)
         self.checkpointer.load_weights(self.model)
-        self.optimizer = DataParallelOptimizer(list(self.model.parameters()), cfg.train, topo)
-        self.schedule = MicroBatchLoop(self.model, self.loss_fn, _autocast_for(cfg, self.device))
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
+                                         model=self.model)
+        self.schedule = build_schedule(
+            self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
+            activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch,
+                                              cfg.train.seq_len, topo.tp,
+                                              cfg.parallel.sequence_parallel),
+            autocast=_autocast_for(cfg, self.device), record_steps=cfg.run.trace_steps)
         self.sampler = GlobalBatchSampler(
             self.windows.num_samples, cfg.train.global_batch, cfg.train.micro_batch,
             topo.dp, topo.dp_rank, cfg.train.seed)
@@ -124,17 +116,37 @@ class Trainer:
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
         loss = self.schedule.run(self._micro_batches(self.step))
-        # Parameters held by several tp ranks with partial gradients (norms under sequence
-        # parallelism, replicated kv-heads): sum them; a no-op for any other layout.
-        sync_tensor_parallel_grads(self.model.parameters(), self.topo)
-        grad_norm = self.optimizer.step(lr)
+        # The loss all-reduce goes before the step: the sharded optimizer ends its step by
+        # issuing asynchronous all-gathers on the dp group, which it would queue behind.
         loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
+        with self.schedule.timeline.span("optimizer", "optimizer"):
+            grad_norm = self.optimizer.step(lr)
         self._sync()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
-        return {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": tokens / dt, "step_time_s": dt}
+        record = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics()}
+        if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
+            write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
+        return record
+
+    def _log_memory(self) -> None:
+        """Per-rank bytes of parameters, gradients and optimizer state (from storage) to
+        ``RUN_DIR/memory.json``; rank 0 prints its own line."""
+        from parallel3d.zero.memory import memory_report
+
+        report = {**memory_report(self.model, self.optimizer), **self.topo.coords()}
+        reports = [report]
+        if dist.is_initialized() and self.topo.world_size > 1:
+            reports = [None] * self.topo.world_size
+            dist.all_gather_object(reports, report)
+        if self.metrics is not None:
+            (Path(self.cfg.run.dir) / "memory.json").write_text(json.dumps(reports, indent=1))
+            mib = {k: report[k] / 2**20 for k in ("params", "grads", "optimizer_state")}
+            print(f"memory rank 0 (MiB): params {mib['params']:.1f}  grads {mib['grads']:.1f}  "
+                  f"optimizer state {mib['optimizer_state']:.1f}  "
+                  f"(zero={self.cfg.parallel.zero}, all ranks in memory.json)", flush=True)
 
     def fit(self, stop_at: int | None = None) -> list[dict]:
         """Train to ``train.steps`` (or stop after step ``stop_at``, as a run that is
@@ -147,6 +159,8 @@ class Trainer:
             if self.metrics is not None:
                 self.metrics.log(record, console=record["step"] % self.cfg.train.log_interval == 0
                                  or record["step"] == self.cfg.train.steps)
+            if self.step == 1:  # every buffer exists after the first step
+                self._log_memory()
             self.checkpointer.maybe_save(self)
         if self.step >= self.cfg.train.steps:
             self.checkpointer.finish(self)

@@ -1,0 +1,117 @@
+"""Cutting a model's layers into pipeline chunks.
+
+``pp`` stages times ``v`` virtual stages give ``n_chunks = pp * v`` chunks, each a
+contiguous run of layers. Chunk ``c`` lives on ``pp_rank = c % pp``: with ``v = 1`` chunk
+``c`` is stage ``c``; with the interleaved schedule rank ``r`` holds chunks
+``r, r + pp, r + 2 pp, ...``. Chunk 0 also holds the embedding; the last chunk (on the last
+stage) holds the final norm, the head and the loss.
+
+The split rule (used when ``parallel.pp_layers`` does not set it by hand)
+-------------------------------------------------------------------------
+Costs are counted in units of one decoder layer's GEMM FLOPs per token (forward and
+backward scale alike, so one number serves both):
+
+* a decoder layer costs 1;
+* the embedding costs ``embed_cost`` (for Llama 0: its forward gathers rows and its
+  backward scatter-adds them, O(dim) per token and no GEMM);
+* the head costs ``head_cost`` (for Llama ``vocab * dim / layer GEMM parameters``: the
+  output projection is one GEMM as wide as the vocabulary; the final norm and the
+  cross-entropy are O(dim + vocab) per token and left out).
+
+The split (1) minimises the cost of the most expensive chunk, which sets the pace of the
+whole pipeline; (2) under that bound makes the chunk costs as even as it can (least sum
+of squared costs), so that a mis-estimated cost hurts least; (3) between splits still
+tied, puts fewer layers on earlier chunks: under 1F1B stage ``r`` keeps ``pp - r``
+micro-batches of activations alive, so early stages have the least memory to spare.
+Every chunk gets at least one layer. So with a heavy head the last stage takes fewer
+layers.
+
+Examples (``head_cost = 1.5``): 8 layers on 2 stages -> [5, 3] (costs 5 and 4.5);
+16 layers on 4 stages with ``head_cost = 2.4`` -> [4, 5, 5, 2] (costs 4, 5, 5, 4.4).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+from parallel3d.errors import UserError
+
+
+def rank_chunks(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The global chunks held by ``pp_rank``, in order: ``pp_rank + j * pp``."""
+    return [pp_rank + j * pp for j in range(virtual_stages)]
+
+
+def _caps(bound: Fraction, extras: list[Fraction]) -> list[int]:
+    """Most layers each chunk can take without its cost exceeding ``bound``."""
+    return [math.floor(bound - e) for e in extras]
+
+
+def balanced_split(n_layers: int, n_chunks: int, embed_cost: float = 0.0,
+                   head_cost: float = 0.0) -> list[int]:
+    """Layers per chunk under the rule in the module docstring (costs in layer units)."""
+    if n_chunks < 1 or n_layers < n_chunks:
+        raise UserError(f"cannot split {n_layers} layers into {n_chunks} chunks of at "
+                        "least one layer each")
+    # Fractions keep the comparisons exact (a float head cost of 1.5 must not become
+    # 1.4999999 and change a split).
+    extras = [Fraction(0)] * n_chunks
+    extras[0] += Fraction(embed_cost).limit_denominator(10**6)
+    extras[-1] += Fraction(head_cost).limit_denominator(10**6)
+    # The best bound is the cost of some chunk: k layers plus that chunk's extra.
+    candidates = sorted({k + e for e in extras for k in range(1, n_layers + 1)})
+    for bound in candidates:
+        caps = _caps(bound, extras)
+        if min(caps) >= 1 and sum(caps) >= n_layers:
+            break
+    # Most even under the caps: start from one layer each and give each further layer to
+    # the cheapest chunk with room (optimal for a sum of squares, a separable convex
+    # cost); among equally cheap chunks the last, so earlier chunks end with fewer.
+    counts = [1] * n_chunks
+    for _ in range(n_layers - n_chunks):
+        room = [i for i in range(n_chunks) if counts[i] < caps[i]]
+        cheapest = min(counts[i] + extras[i] for i in room)
+        counts[max(i for i in room if counts[i] + extras[i] == cheapest)] += 1
+    return counts
+
+
+def resolve_split(n_layers: int, pp: int, virtual_stages: int, pp_layers: list[int] | None,
+                  embed_cost: float = 0.0, head_cost: float = 0.0) -> list[int]:
+    """Layers per global chunk: ``parallel.pp_layers`` if given (checked), else the rule."""
+    n_chunks = pp * virtual_stages
+    check_split(n_layers, pp, virtual_stages, pp_layers)
+    if pp_layers is not None:
+        return list(pp_layers)
+    return balanced_split(n_layers, n_chunks, embed_cost, head_cost)
+
+
+def check_split(n_layers: int, pp: int, virtual_stages: int, pp_layers: list[int] | None) -> None:
+    """Raise :class:`UserError` naming the numbers if the layers cannot be cut this way."""
+    n_chunks = pp * virtual_stages
+    if n_layers < n_chunks:
+        what = (f"parallel.pp {pp}" if virtual_stages == 1 else
+                f"parallel.pp {pp} * parallel.virtual_stages {virtual_stages} = {n_chunks}")
+        raise UserError(f"model.n_layers {n_layers} is fewer than {what}: every pipeline "
+                        "chunk needs at least one layer")
+    if pp_layers is None:
+        return
+    if len(pp_layers) != n_chunks:
+        raise UserError(f"parallel.pp_layers has {len(pp_layers)} entries but the pipeline has "
+                        f"pp * virtual_stages = {pp} * {virtual_stages} = {n_chunks} chunks: "
+                        "give one layer count per chunk")
+    if min(pp_layers) < 1:
+        raise UserError(f"parallel.pp_layers {pp_layers} has an empty chunk: every chunk "
+                        "needs at least one layer")
+    if sum(pp_layers) != n_layers:
+        raise UserError(f"parallel.pp_layers {pp_layers} adds up to {sum(pp_layers)}, not "
+                        f"model.n_layers {n_layers}")
+
+
+def layer_ranges(counts: list[int]) -> list[range]:
+    """Global layer indices of each chunk, from the per-chunk counts."""
+    out, start = [], 0
+    for n in counts:
+        out.append(range(start, start + n))
+        start += n
+    return out

@@ -1,0 +1,173 @@
+"""Running a pipeline plan on this rank: the object the trainer calls each step.
+
+    schedule = build_schedule(model, loss_fn, topo, parallel_cfg, activation_shape, ...)
+    loss = schedule.run(micro_batches)      # forwards and backwards of one optimizer step
+
+``run`` walks the rank's plan (``schedules.plan``): before each step it exchanges, in one
+batch, the outputs of the previous step and the inputs of this one (``p2p.StageComm``);
+then it runs the step's forwards and backwards. Gradients accumulate in ``.grad`` across
+micro-batches. Only the last stage computes the loss; each micro-batch's loss is divided
+by the number of micro-batches before its backward, exactly as without a pipeline, and
+the step's loss is summed over the pipeline group so every rank returns it.
+
+With ``pp = 1`` the plan is forward, backward per micro-batch with no communication,
+which is the plain gradient-accumulation loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d.distributed import all_reduce
+
+from .p2p import StageComm
+from .partition import rank_chunks
+from .schedules import Action, Message, exchanges, plan
+from .timeline import Timeline
+
+
+@dataclass
+class _StepState:
+    """What one step holds between actions, keyed by (kind, chunk, micro-batch)."""
+
+    micro_batches: list
+    inbox: dict = field(default_factory=dict)  # received activations and gradients
+    outbox: dict = field(default_factory=dict)  # outputs waiting for the next exchange
+    stash: dict = field(default_factory=dict)  # (chunk, mb) -> (input, output): alive activations
+    loss: torch.Tensor | None = None  # sum of this step's micro-batch losses (last stage)
+
+
+class PipelineSchedule:
+    """Executes schedule ``name`` over this rank's ``chunks`` (global chunk ids from
+    ``partition.rank_chunks``). ``peak_alive`` is the most (chunk, micro-batch) pairs whose
+    activations were alive at once in the last step (forwarded, not yet backwarded)."""
+
+    def __init__(self, chunks: list[nn.Module], loss_fn, topo, *, name: str, virtual_stages: int,
+                 activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
+                 device: torch.device, autocast=contextlib.nullcontext,
+                 timeline: Timeline | None = None):
+        self.topo, self.name, self.v = topo, name, virtual_stages
+        self.pp, self.n_chunks = topo.pp, topo.pp * virtual_stages
+        ids = rank_chunks(topo.pp_rank, topo.pp, virtual_stages)
+        assert len(ids) == len(chunks), (ids, len(chunks))
+        self.chunks = dict(zip(ids, chunks))
+        self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
+        self.comm = StageComm(topo.pp_group, topo.pp_ranks, activation_shape, activation_dtype,
+                              device) if topo.pp > 1 else None
+        self.timeline = timeline or Timeline(device)
+        self.tied = [p for c in chunks for p in c.parameters() if getattr(p, "p3d_tied_embedding", False)]
+        self.peak_alive = 0
+        self.steps_run = 0
+
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward every micro-batch; returns the step's mean loss (a detached
+        fp32 scalar, the same on every rank of the pipeline)."""
+        steps = plan(self.name, self.pp, self.v, len(micro_batches), self.topo.pp_rank)
+        batches = exchanges(steps, self.pp, self.n_chunks)
+        self._synchronize()
+        self.timeline.start_step(self.steps_run + 1)  # numbered from 1, as in metrics.jsonl
+        st = _StepState(micro_batches, loss=torch.zeros((), dtype=torch.float32, device=self.device))
+        self.peak_alive = 0
+        self._exchange(batches[0], st)
+        for step, batch in zip(steps, batches[1:]):
+            for action in step:
+                if action.op == "F":
+                    self._forward(action, st)
+                else:
+                    self._backward(action, st)
+            self._exchange(batch, st)
+        assert not st.stash and not st.inbox and not st.outbox, "plan left work undone"
+        if self.comm is not None:
+            with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
+                self.comm.flush()
+        self._reduce_tied_gradients()
+        loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
+        self.timeline.close_window()
+        self.steps_run += 1
+        return loss
+
+    # -- the two actions --------------------------------------------------------------------
+    def _forward(self, a: Action, st: _StepState) -> None:
+        inputs, targets = st.micro_batches[a.mb]
+        if a.chunk == 0:
+            x = inputs  # (mb, S) tokens
+        else:
+            x = st.inbox.pop(("act", a.chunk - 1, a.mb)).requires_grad_()  # (mb, S, dim)
+        last = a.chunk == self.n_chunks - 1
+        with self.timeline.span(f"F{a.chunk}.{a.mb}", "forward", chunk=a.chunk, mb=a.mb):
+            with self.autocast():
+                out = self.chunks[a.chunk](x)
+            if last:
+                # The mean over micro-batches, as the unsplit model: each loss / m.
+                out = self.loss_fn(out, targets) / len(st.micro_batches)
+                st.loss += out.detach().float()
+        if not last:
+            st.outbox[("act", a.chunk, a.mb)] = out.detach()
+        st.stash[(a.chunk, a.mb)] = (x, out)
+        self.peak_alive = max(self.peak_alive, len(st.stash))
+
+    def _backward(self, a: Action, st: _StepState) -> None:
+        x, out = st.stash.pop((a.chunk, a.mb))
+        grad = None if a.chunk == self.n_chunks - 1 else st.inbox.pop(("grad", a.chunk + 1, a.mb))
+        with self.timeline.span(f"B{a.chunk}.{a.mb}", "backward", chunk=a.chunk, mb=a.mb):
+            torch.autograd.backward(out, grad_tensors=grad)
+        if a.chunk > 0:
+            st.outbox[("grad", a.chunk, a.mb)] = x.grad
+
+    # -- communication ----------------------------------------------------------------------
+    def _exchange(self, batch: tuple[list[Message], list[Message]], st: _StepState) -> None:
+        sends, recvs = batch
+        if not sends and not recvs:
+            return
+        payload = [(msg, st.outbox.pop((msg.kind, msg.chunk, msg.mb))) for msg in sends]
+        label = " ".join([f"send {m.kind}{m.chunk}.{m.mb}" for m in sends]
+                         + [f"recv {m.kind}{m.chunk}.{m.mb}" for m in recvs])
+        with self.timeline.span("wait", "wait", lane="comm", ops=label):
+            received = self.comm.exchange(payload, recvs)
+        for msg, tensor in zip(recvs, received):
+            st.inbox[(msg.kind, msg.chunk, msg.mb)] = tensor
+
+    def _synchronize(self) -> None:
+        # All stages open the step's window together, so the bubble of every stage is
+        # measured over the same stretch of time (one tiny all-reduce per step).
+        if self.topo.pp_group is not None:
+            all_reduce(torch.zeros(1, device=self.device), self.topo.pp_group)
+
+    @torch.no_grad()
+    def _reduce_tied_gradients(self) -> None:
+        """A tied embedding lives on the first stage (input embedding) and the last (head):
+        both copies get the sum of the two gradients, so they stay equal after the update."""
+        for p in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            all_reduce(p.grad, self.topo.embed_group)
+
+    # -- metrics ----------------------------------------------------------------------------
+    def step_metrics(self) -> dict:
+        """``bubble_fraction``: idle share of the last step's window, mean over all ranks
+        (the same value on every rank)."""
+        bubble = torch.tensor([self.timeline.last_bubble or 0.0], dtype=torch.float64)
+        if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
+            bubble = bubble.to(self.device)
+            dist.all_reduce(bubble)
+            bubble /= self.topo.world_size
+        return {"bubble_fraction": float(bubble)}
+
+
+def build_schedule(model: nn.Module, loss_fn, topo, parallel_cfg, *, activation_shape: tuple[int, ...],
+                   device: torch.device, autocast=contextlib.nullcontext,
+                   record_steps: int = 0) -> PipelineSchedule:
+    """The schedule for this rank's ``model``: its ``pipeline_chunks`` when the model was
+    cut into stages (``parallelize``), else the model as the single chunk (pp = 1)."""
+    chunks = list(getattr(model, "pipeline_chunks", None) or [model])
+    dtype = next(model.parameters()).dtype
+    return PipelineSchedule(chunks, loss_fn, topo, name=parallel_cfg.schedule,
+                            virtual_stages=parallel_cfg.virtual_stages,
+                            activation_shape=activation_shape, activation_dtype=dtype,
+                            device=device, autocast=autocast,
+                            timeline=Timeline(device, record_steps))

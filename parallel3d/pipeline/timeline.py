@@ -1,0 +1,151 @@
+"""When each forward, backward and wait ran on this rank; the bubble; a Chrome trace.
+
+Each rank keeps a :class:`Timeline`. The schedule opens a step window right after the
+ranks of its pipeline synchronise, records one span per forward, backward and
+communication wait, and closes the window after the closing collective of the step, so
+every stage's window covers the same stretch of time. The bubble of a stage is the part
+of its window in which it computed nothing::
+
+    bubble = 1 - (sum of forward and backward spans) / window
+
+On CUDA the marks are CUDA events on the current stream (GPU time, resolved once the
+window closes); on CPU they are ``time.perf_counter``.
+
+``chrome_trace`` merges the recorded steps of all ranks into one Chrome-trace JSON object
+(open it at https://ui.perfetto.dev): one process per rank, a "compute" and a "comm"
+lane each. Clocks of different hosts are not comparable, so each rank's events of a step
+are placed relative to that step's synchronisation point, which all ranks pass together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+LANES = ("compute", "comm")
+BUSY = ("forward", "backward")  # span categories that count as work in the bubble
+
+
+class _CpuClock:
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, a: float, b: float) -> float:
+        return b - a
+
+
+class _CudaClock:
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, a, b) -> float:
+        b.synchronize()
+        return a.elapsed_time(b) / 1e3
+
+
+class Timeline:
+    """Spans of this rank, step by step; keeps the events of the first ``record_steps``
+    steps for the trace and the bubble of every step."""
+
+    def __init__(self, device: torch.device | None = None, record_steps: int = 0):
+        cuda = device is not None and device.type == "cuda"
+        self.clock = _CudaClock() if cuda else _CpuClock()
+        self.record_steps = record_steps
+        self.recorded: list[dict] = []  # {"step", "offset_s", "spans": [(name, cat, lane, t0, t1, args)]}
+        self.last_bubble: float | None = None
+        self._origin = None  # mark of the first step's start
+        self._step = None
+
+    # -- recording ---------------------------------------------------------------------------
+    def start_step(self, step: int) -> None:
+        """Open step ``step``'s window (call right after the pipeline's ranks synchronise)."""
+        self._finish_step()
+        start = self.clock.mark()
+        if self._origin is None:
+            self._origin = start
+        self._step = {"step": step, "start": start, "spans": []}
+
+    @contextlib.contextmanager
+    def span(self, name: str, cat: str, lane: str = "compute", **args):
+        """Record the enclosed code as one span (``cat``: forward, backward, wait, ...)."""
+        if self._step is None:
+            yield
+            return
+        t0 = self.clock.mark()
+        try:
+            yield
+        finally:
+            self._step["spans"].append((name, cat, lane, t0, self.clock.mark(), args))
+
+    def close_window(self) -> float:
+        """End the step's window (after its closing collective); returns and keeps the
+        bubble fraction of this rank for the step."""
+        step = self._step
+        end = self.clock.mark()
+        window = self.clock.seconds(step["start"], end)
+        busy = sum(self.clock.seconds(t0, t1) for _, cat, _, t0, t1, _ in step["spans"] if cat in BUSY)
+        self.last_bubble = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
+        return self.last_bubble
+
+    def _finish_step(self) -> None:
+        step, self._step = self._step, None
+        if step is None or len(self.recorded) >= self.record_steps:
+            return
+        s = self.clock.seconds
+        start = step["start"]
+        spans = [(name, cat, lane, s(start, t0), s(start, t1), args)
+                 for name, cat, lane, t0, t1, args in step["spans"]]
+        self.recorded.append({"step": step["step"], "offset_s": s(self._origin, start), "spans": spans})
+
+    def export(self) -> list[dict]:
+        """The recorded steps (picklable), closing the step in progress."""
+        self._finish_step()
+        return self.recorded
+
+
+def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
+    """One Chrome-trace object from every rank's ``Timeline.export()``.
+
+    Step ``s`` of every rank starts at rank 0's offset of step ``s``; times in microseconds.
+    """
+    events: list[dict] = []
+    base = {rec["step"]: rec["offset_s"] for rec in ranks[0]} if ranks else {}
+    for pid, (recorded, name) in enumerate(zip(ranks, names)):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
+                       "args": {"sort_index": pid}})
+        for tid, lane in enumerate(LANES):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid,
+                           "args": {"name": lane}})
+        for rec in recorded:
+            offset = base.get(rec["step"], rec["offset_s"])
+            for span_name, cat, lane, t0, t1, args in rec["spans"]:
+                events.append({
+                    "name": span_name, "cat": cat, "ph": "X", "pid": pid, "tid": LANES.index(lane),
+                    "ts": round((offset + t0) * 1e6, 3), "dur": round(max(0.0, t1 - t0) * 1e6, 3),
+                    "args": {"step": rec["step"], **args},
+                })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_trace(timeline: Timeline, path: Path, topo) -> None:
+    """Gather every rank's recorded steps to rank 0 and write one trace file there
+    (collective over the whole world)."""
+    import torch.distributed as dist
+
+    mine = (timeline.export(), topo.describe())
+    if dist.is_available() and dist.is_initialized() and topo.world_size > 1:
+        gathered = [None] * topo.world_size if topo.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+    else:
+        gathered = [mine]
+    if topo.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        trace = chrome_trace([g[0] for g in gathered], [g[1] for g in gathered])
+        path.write_text(json.dumps(trace))

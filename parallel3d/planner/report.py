@@ -1,0 +1,140 @@
+"""The planner's table, the reasons behind its choice, and the recipe it writes."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from parallel3d.planner.hardware import FRAGMENTATION, GPU
+from parallel3d.planner.search import Candidate
+from parallel3d.planner.spec import Layout, Workload
+
+GiB = 2**30
+
+
+def table(candidates: list[Candidate], top: int) -> str:
+    head = (f"{'#':>3}  {'layout':54s} {'mem/GPU':>8s} {'step s':>8s} {'tokens/s':>11s} {'MFU':>6s} "
+            f"{'bubble':>7s} {'exp.comm':>8s}  fits")
+    lines = [head]
+    for i, c in enumerate(candidates[:top], 1):
+        t = c.time
+        lines.append(f"{i:>3}  {c.layout.describe():54s} {c.required / GiB:7.1f}G {t.step_s:8.3f} "
+                     f"{t.tokens_per_s:11,.0f} {t.mfu:6.1%} {t.bubble_s / t.step_s:7.1%} "
+                     f"{t.exposed_comm_s / t.step_s:8.1%}  {'yes' if c.fits else 'NO'}")
+    return "\n".join(lines)
+
+
+def _shares(c: Candidate) -> dict[str, float]:
+    t = c.time
+    return {"compute": t.compute_s, "pipeline bubble": t.bubble_s, "tensor-parallel comm": t.tp_comm_s,
+            "pipeline p2p": t.pp_comm_s, "data-parallel comm": t.dp_comm_s, "optimizer step": t.optimizer_s}
+
+
+def why_slower(c: Candidate, best: Candidate) -> str:
+    a, b = _shares(c), _shares(best)
+    part = max(a, key=lambda k: a[k] - b[k])
+    slower = c.time.step_s / best.time.step_s - 1
+    return (f"{slower:.0%} slower: {part} {a[part]:.3g} s vs {b[part]:.3g} s"
+            + (" (recomputation re-runs the forward)" if part == "compute" and c.layout.recompute != best.layout.recompute else ""))
+
+
+def _best_of(candidates: list[Candidate], pick) -> Candidate | None:
+    group = [c for c in candidates if pick(c.layout)]
+    return next((c for c in group if c.fits), group[0] if group else None)
+
+
+def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int) -> list[str]:
+    """Why ``best`` wins, and why the obvious alternatives lose (one line each)."""
+    t, lay = best.time, best.layout
+    total = t.step_s
+    parts = ", ".join(f"{k} {v / total:.0%}" for k, v in _shares(best).items() if v / total >= 0.005)
+    out = [f"recommended: {lay.describe()} -- {total:.3f} s/step, MFU {t.mfu:.1%}, "
+           f"{best.required / GiB:.1f} GiB of {best.budget / GiB:.1f} GiB on its fullest stage "
+           f"({parts})"]
+    alternatives = [
+        ("pure data parallel (tp1 pp1)", lambda L: L.tp == 1 and L.pp == 1),
+        (f"tensor parallel across the node (tp{gpus_per_node} pp1)", lambda L: L.tp == gpus_per_node and L.pp == 1),
+        ("no pipeline (pp1)" if lay.pp > 1 else "a pipeline (pp>1)",
+         (lambda L: L.pp == 1) if lay.pp > 1 else (lambda L: L.pp > 1)),
+    ]
+    if lay.recompute != "none":
+        alternatives.append(("the same layout without recomputation",
+                             lambda L: L == _with(lay, recompute="none")))
+    else:
+        alternatives.append(("the same layout with full recomputation", lambda L: L == _with(lay, recompute="full")))
+    if lay.zero > 0:
+        alternatives.append(("the same layout without ZeRO", lambda L: L == _with(lay, zero=0)))
+    seen = {lay}
+    for label, pick in alternatives:
+        alt = _best_of(candidates, pick)
+        if alt is None:
+            out.append(f"{label}: no valid layout for this job")
+        elif alt.layout in seen:
+            continue
+        elif not alt.fits:
+            out.append(f"{label}: best is {alt.layout.describe()}, which {alt.verdict()}")
+        else:
+            out.append(f"{label}: best is {alt.layout.describe()}, {why_slower(alt, best)}")
+        if alt is not None:
+            seen.add(alt.layout)
+    return out
+
+
+def _with(layout: Layout, **changes) -> Layout:
+    return Layout(**{f.name: changes.get(f.name, getattr(layout, f.name)) for f in fields(Layout)})
+
+
+def assumptions(gpu: GPU, eff, n_gpus: int, gpus_per_node: int) -> str:
+    return (f"{n_gpus} x {gpu.name} ({gpus_per_node} per node), peak {gpu.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"compute efficiency {eff.compute:.3f}, link efficiency {eff.link:.2f}, NVLink "
+            f"{gpu.nvlink_bytes_per_s / 1e9:.0f} GB/s, inter-node {gpu.internode_bytes_per_s * 8 / 1e9:.0f} "
+            f"Gbit/s per GPU; memory: {FRAGMENTATION:.0%} fragmentation margin on the fullest stage")
+
+
+def recipe_text(best: Candidate, work: Workload, model_keys: dict, n_gpus: int, gpus_per_node: int,
+                gpu: GPU, steps: int = 1000) -> str:
+    """A runnable TOML recipe for ``best`` (``parallel3d train FILE --dry-run`` accepts it)."""
+    lay, t = best.layout, best.time
+    nnodes = max(1, n_gpus // gpus_per_node)
+    nproc = n_gpus // nnodes
+
+    def toml(v):
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return f'"{v}"'
+        return repr(v)
+
+    model_lines = "\n".join(f"{k} = {toml(v)}" for k, v in model_keys.items())
+    return f"""# Written by `parallel3d plan`: the fastest layout that fits {n_gpus} x {gpu.name}.
+# Predicted: {t.step_s:.3f} s/step, {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%},
+# {best.required / 2**30:.1f} GiB on the fullest stage (stage {best.worst.stage}).
+# Set the data keys for your corpus before training.
+
+[model]
+{model_lines}
+
+[parallel]
+tp = {lay.tp}
+pp = {lay.pp}
+dp = {lay.dp}
+schedule = "{lay.schedule}"
+virtual_stages = {lay.virtual_stages}
+zero = {lay.zero}
+sequence_parallel = {toml(lay.sequence_parallel)}
+
+[train]
+steps = {steps}
+global_batch = {work.global_batch}
+micro_batch = {lay.micro_batch}
+seq_len = {work.seq_len}
+dtype = "{work.dtype}"
+recompute = "{lay.recompute}"
+
+[launch]
+nnodes = {nnodes}
+nproc = {nproc}
+backend = "nccl"
+
+[run]
+dir = "runs/planned"
+"""

@@ -1,0 +1,102 @@
+"""What the planner evaluates: a workload (model, sequence, batch, precision) and a layout.
+
+A :class:`Layout` is everything the parallel recipe keys decide: the degrees, the
+micro-batch, the pipeline schedule, ZeRO, recomputation and sequence parallelism. It maps
+one to one onto ``[parallel]`` and ``[train]`` keys (:meth:`Layout.from_config`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel3d.errors import UserError
+
+# Bytes per element for each precision policy: ``fp32`` trains in fp32 (the CPU path);
+# ``bf16`` is mixed precision: bf16 weights and activations for the matmuls, fp32 master
+# weights, fp32 gradients and fp32 Adam moments (the policy of Megatron-LM and of the
+# sharded optimizer's ``param_dtype=bf16``). The residual stream and RMSNorm internals
+# stay fp32 in both (the model computes norms in fp32 and the embedding output is fp32).
+PRECISION = {
+    "fp32": {"weight": 4, "master": 0, "grad": 4, "act": 4},
+    "bf16": {"weight": 2, "master": 4, "grad": 4, "act": 2},
+}
+RESIDUAL_BYTES = 4
+ADAM_BYTES = 8  # two fp32 moments
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: object  # a LlamaConfig (duck-typed: dim, n_layers, n_heads, ...)
+    seq_len: int
+    global_batch: int  # sequences per optimizer step
+    dtype: str = "bf16"
+
+    def __post_init__(self):
+        if self.dtype not in PRECISION:
+            raise UserError(f"precision '{self.dtype}' is not modelled: use fp32 or bf16")
+
+    @property
+    def bytes(self) -> dict[str, int]:
+        return PRECISION[self.dtype]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved (ignored when pp == 1)
+    virtual_stages: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def chunks(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def n_micro(self, work: Workload) -> int:
+        """Micro-batches per step on each data-parallel rank."""
+        return work.global_batch // (self.micro_batch * self.dp)
+
+    def describe(self) -> str:
+        parts = [f"tp{self.tp} pp{self.pp} dp{self.dp}", f"mb{self.micro_batch}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
+        parts.append(f"zero{self.zero}")
+        parts.append(f"rc-{self.recompute}")
+        if self.sequence_parallel:
+            parts.append("sp")
+        return " ".join(parts)
+
+    @classmethod
+    def from_config(cls, cfg) -> "Layout":
+        """The layout of a :class:`~parallel3d.config.JobConfig`."""
+        par = cfg.parallel
+        return cls(tp=par.tp, pp=par.pp, dp=par.dp, micro_batch=cfg.train.micro_batch,
+                   schedule=par.schedule, virtual_stages=par.virtual_stages, zero=par.zero,
+                   recompute=cfg.train.recompute, sequence_parallel=par.sequence_parallel)
+
+
+def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None) -> list[int]:
+    """Layers per global pipeline chunk: the pipeline's own rule
+    (:func:`parallel3d.pipeline.partition.resolve_split`, weighing the output head by its
+    GEMM cost), so the planner and the dry run predict the split training will use."""
+    from parallel3d.models.llama.parallelize import stage_costs
+    from parallel3d.pipeline.partition import resolve_split
+
+    return resolve_split(model.n_layers, pp, virtual_stages, pp_layers, *stage_costs(model))
+
+
+def rank_chunks(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """Global chunks held by pipeline rank ``pp_rank``: ``pp_rank + j * pp``."""
+    return [pp_rank + j * pp for j in range(virtual_stages)]

@@ -1,0 +1,145 @@
+"""Predicted step time of a layout, split into where the time goes.
+
+Per pipeline slot (one micro-batch through one stage, forward and backward)::
+
+    compute   hardware FLOPs of the stage's layers (and head) / (peak * efficiency.compute)
+    tp comm   per layer 4 all-reduces of the (tokens, dim) activation (2 forward, 2 backward;
+              6 with full recomputation), on NVLink when the tp group fits in a node.
+              Sequence parallelism swaps each for a reduce-scatter + all-gather pair, the
+              same bytes. Not overlapped with compute.
+
+The pipeline runs ``m + (pp - 1) / v`` slots of the slowest stage (``v`` chunks per rank
+with the interleaved schedule, 1 otherwise): the ``(pp - 1) / v`` extra slots are the
+bubble. Each slot also sends the stage's output activation forward and its gradient back
+(point-to-point, on the inter-node link when pipeline neighbours sit on different nodes),
+``v`` times per slot when interleaved; these are not overlapped either.
+
+After the last backward, data parallelism: ZeRO 0 all-reduces the fp32 gradients, ZeRO 1
+reduce-scatters them and all-gathers the updated weights, ZeRO 2 reduce-scatters after
+every micro-batch (overlapped with the next micro-batch's compute; the last one is
+exposed) and all-gathers the weights. The ring collectives use the alpha-beta model::
+
+    all-reduce      2 (n-1)/n * bytes / bw + 2 (n-1) * latency
+    reduce-scatter    (n-1)/n * bytes / bw +   (n-1) * latency   (all-gather alike)
+
+with ``bw = link peak * efficiency.link`` of the slowest link the group spans. Finally the
+optimizer step streams master weights, gradients and moments through HBM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_per_token,
+                              model_flops_per_token)
+from parallel3d.planner.hardware import GPU, Efficiency
+from parallel3d.planner.memory import stage_params
+from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
+
+
+@dataclass
+class StepTime:
+    step_s: float
+    compute_s: float  # the slowest stage's compute over all its micro-batches
+    bubble_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float  # exposed
+    optimizer_s: float
+    tokens_per_s: float
+    mfu: float
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+
+
+def ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
+    """Seconds of a ring collective over ``n`` ranks moving ``nbytes`` per rank."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return steps / n * nbytes / bw + steps * latency
+
+
+def _links(gpu: GPU, eff: Efficiency, within_node: bool) -> tuple[float, float]:
+    if within_node:
+        return gpu.nvlink_bytes_per_s * eff.link, eff.nvlink_latency_s
+    return gpu.internode_bytes_per_s * eff.link, eff.internode_latency_s
+
+
+def stage_flops_per_token(work: Workload, layout: Layout, pp_rank: int, split: list[int]) -> float:
+    """Hardware training FLOPs per token of one tensor-parallel rank of ``pp_rank``."""
+    model, seq = work.model, work.seq_len
+    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages)
+    layers = sum(split[c] for c in chunks)
+    layer_fwd = layer_forward_flops_per_token(model, seq)
+    attention_fwd = 4 * seq * model.n_heads * model.head_dim
+    redo = {"none": 0, "full": layer_fwd, "selective": attention_fwd}[layout.recompute]
+    flops = layers * (3 * layer_fwd + redo)
+    if (layout.chunks - 1) in chunks:
+        flops += 3 * head_forward_flops_per_token(model)
+    return flops / layout.tp
+
+
+def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
+              eff: Efficiency | None = None, split: list[int] | None = None) -> StepTime:
+    if eff is None:
+        from parallel3d.planner.calibrate import default_efficiency
+        eff = default_efficiency()
+    model, b = work.model, work.bytes
+    split = split or layer_split(model, layout.pp, layout.virtual_stages)
+    m = layout.n_micro(work)
+    tokens = layout.micro_batch * work.seq_len
+    flop_rate = gpu.peak_flops * eff.compute
+
+    # -- one pipeline slot of the slowest stage ---------------------------------------
+    compute_slot = max(stage_flops_per_token(work, layout, r, split) for r in range(layout.pp)) * tokens / flop_rate
+    tp_bw, tp_lat = _links(gpu, eff, layout.tp <= gpus_per_node)
+    act_bytes = tokens * model.dim * b["act"]
+    per_layer = 6 if layout.recompute == "full" else 4
+    max_layers = max(sum(split[c] for c in rank_chunks(r, layout.pp, layout.virtual_stages))
+                     for r in range(layout.pp))
+    tp_slot = per_layer * max_layers * ring_time("all_reduce", act_bytes, layout.tp, tp_bw, tp_lat)
+    slot = compute_slot + tp_slot
+
+    slots = m + (layout.pp - 1) / layout.virtual_stages
+    compute_s = m * compute_slot
+    bubble_s = (slots - m) * slot
+    tp_comm_s = m * tp_slot
+
+    # -- pipeline point-to-point ------------------------------------------------------
+    pp_comm_s = 0.0
+    if layout.pp > 1:
+        # pipeline neighbours are tp*dp ranks apart: on NVLink only if the whole pipeline
+        # fits in one node, otherwise the slowest hop crosses nodes
+        bw, lat = _links(gpu, eff, layout.world_size <= gpus_per_node)
+        shard = layout.tp if layout.sequence_parallel else 1
+        msg = act_bytes / shard / bw + lat
+        pp_comm_s = 2 * slots * layout.virtual_stages * msg
+
+    # -- data parallelism and the optimizer step ----------------------------------------
+    n_params = max(stage_params(model, layout, r, split)[0] for r in range(layout.pp))
+    dp_bw, dp_lat = _links(gpu, eff, layout.tp * layout.dp <= gpus_per_node)
+    grad_bytes = n_params * b["grad"]
+    weight_bytes = n_params * b["weight"]
+    if layout.zero == 0:
+        dp_comm_s = ring_time("all_reduce", grad_bytes, layout.dp, dp_bw, dp_lat)
+    elif layout.zero == 1:
+        dp_comm_s = (ring_time("reduce_scatter", grad_bytes, layout.dp, dp_bw, dp_lat)
+                     + ring_time("all_gather", weight_bytes, layout.dp, dp_bw, dp_lat))
+    else:
+        rs = ring_time("reduce_scatter", grad_bytes, layout.dp, dp_bw, dp_lat)
+        unhidden = max(0.0, rs - 2 / 3 * slot) * (m - 1)  # what the next backward cannot hide
+        dp_comm_s = rs + unhidden + ring_time("all_gather", weight_bytes, layout.dp, dp_bw, dp_lat)
+    shard = layout.dp if layout.zero >= 1 else 1
+    # Adam reads and writes master weights (or fp32 weights) and both moments, reads the
+    # gradient, and writes the bf16 weights back: about 32 bytes per element held.
+    optimizer_s = 32 * n_params / shard / (gpu.hbm_bytes_per_s * eff.memory)
+
+    step_s = compute_s + bubble_s + tp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
+    tokens_per_s = work.tokens_per_step / step_s
+    achieved = tokens_per_s * model_flops_per_token(model, work.seq_len)
+    return StepTime(step_s=step_s, compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
+                    pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
+                    tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops))

@@ -1,0 +1,69 @@
+"""Every shipped recipe passes ``parallel3d train RECIPE --dry-run`` at its own world size,
+in seconds, without allocating a weight."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel3d.config import load_config
+from parallel3d.planner.hardware import FRAGMENTATION, gpu_named, usable_bytes
+from parallel3d.train.dryrun import dry_run
+from parallel3d.train.setup import job_world_size
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_dry_runs_at_its_world_size(recipe):
+    cfg = load_config(recipe)
+    world = job_world_size(cfg)
+    lines = []
+    t0 = time.perf_counter()
+    found = dry_run(cfg, world, out=lines.append)
+    seconds = time.perf_counter() - t0
+    assert seconds < 20, f"{recipe.name}: dry run took {seconds:.1f} s"  # 2 loaded cores: slack
+    assert found["world_size"] == world == cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    assert f"{world} ranks" in lines[0]
+    params = list(found["model"].parameters())
+    assert params and all(p.is_meta for p in params), "a weight was allocated"
+    assert sum(found["split"]) == found["model"].cfg.n_layers
+    if cfg.launch.backend == "nccl":
+        # recipes for GPUs name H100 80GB: the fullest stage must fit one, margin included
+        worst = max(s.peak for s in found["stages"])
+        assert worst * (1 + FRAGMENTATION) <= usable_bytes(gpu_named("h100-80g")), recipe.name
+
+
+def test_the_70b_recipe_is_512_ranks_and_the_cli_allocates_no_weights():
+    recipe = RECIPES[[p.stem for p in RECIPES].index("llama3_70b")]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe), "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "512 ranks (64 nodes x 8)" in proc.stdout and "stage 7" in proc.stdout
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # 70B fp32 weights would be 282 GB; one decoder layer alone 3.5 GB. The process stays
+    # at what importing torch costs (about 0.4 GB).
+    assert max(peak_kib, before) < 1.5 * 2**20, f"peak RSS {peak_kib / 2**20:.2f} GiB"
+
+
+def test_dry_run_refuses_a_bad_layout_with_one_line():
+    recipe = RECIPES[[p.stem for p in RECIPES].index("llama3_8b")]
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe), "--dry-run",
+                           "--parallel.tp=3", "--parallel.dp=21", "--launch.nproc=9", "--launch.nnodes=7"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.n_heads 32 is not divisible by parallel.tp 3" in lines[0]
+
+
+def test_multi_node_recipe_outside_torchrun_says_how_to_start_it():
+    recipe = RECIPES[[p.stem for p in RECIPES].index("llama3_8b")]
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "launch.nnodes 8 > 1: start the job with torchrun" in proc.stderr
