@@ -22,6 +22,9 @@ pytest.importorskip("parallel3d.pipeline", reason="needs pipeline parallelism (b
 pytest.importorskip("parallel3d.zero", reason="needs ZeRO (branch zero)")
 
 STEPS, STOP = 20, 10
+# 8 ranks on a shared 2-core machine: a 20-step run can take minutes when the machine is
+# loaded, past the pool's default 300 s hang guard.
+SLOW = 900
 
 
 def _job(corpus_dir, run_dir, tp, pp, dp, zero=0, virtual=1, **checkpoint):
@@ -48,10 +51,10 @@ def _losses(job: dict, stop_at: int | None = None) -> list[float]:
 
 def test_2x2x2_zero2_resumes_bit_exact_and_reshards(pools, corpus_dir, tmp_path):
     eight = pools(8)
-    straight = eight.run(_losses, _job(corpus_dir, tmp_path / "straight", 2, 2, 2, zero=2))[0]
+    straight = eight.run(_losses, _job(corpus_dir, tmp_path / "straight", 2, 2, 2, zero=2), timeout=SLOW)[0]
     job = _job(corpus_dir, tmp_path / "resumed", 2, 2, 2, zero=2, async_save=True)
-    first = eight.run(_losses, job, STOP)[0]
-    again = eight.run(_losses, job)[0]
+    first = eight.run(_losses, job, STOP, timeout=SLOW)[0]
+    again = eight.run(_losses, job, timeout=SLOW)[0]
     assert first + again == straight  # same layout, async saves: bit for bit
     step10 = str(tmp_path / "resumed" / "checkpoints" / "step_00000010")
     with CheckpointReader(step10) as reader:  # ZeRO-2 moments are flat ranges over dp
@@ -59,7 +62,7 @@ def test_2x2x2_zero2_resumes_bit_exact_and_reshards(pools, corpus_dir, tmp_path)
     four = pools(4)
     for tp, pp, dp, zero, virtual in [(1, 1, 4, 2, 1), (4, 1, 1, 0, 1), (1, 2, 2, 1, 2)]:
         other = _job(corpus_dir, tmp_path / f"{tp}x{pp}x{dp}", tp, pp, dp, zero, virtual, resume=step10)
-        continued = four.run(_losses, other)[0]
+        continued = four.run(_losses, other, timeout=SLOW)[0]
         # fp32: another layout sums the same products in another order (a few ulps per op,
         # as between the layouts' own loss curves); 1e-5 relative is the bar.
         assert len(continued) == STEPS - STOP
