@@ -4,8 +4,6 @@ moments (as DeepSpeed's ``safe_get_full_*`` gathers them from the live engine)."
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors import safe_open

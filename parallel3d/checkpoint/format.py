@@ -193,7 +193,8 @@ def check_same_model(saved: dict, ours: dict, path: Path) -> None:
             diffs.append(f"{key} {a!r} in the checkpoint vs {b!r} here")
     if diffs:
         raise CheckpointError(f"{path} holds a different model: {'; '.join(diffs)} "
-                              "(use the checkpoint's model.* settings, or another checkpoint)")
+                              "(use the checkpoint's model.* settings, another checkpoint, or "
+                              "checkpoint.resume=never to start fresh)")
 
 
 # -- the index file ---------------------------------------------------------------------------
