@@ -1,11 +1,14 @@
 """``parallel3d`` command line.
 
     parallel3d train [RECIPE] [--dry-run] [--section.key=value ...]
+    parallel3d report RUN_DIR
     parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N --gpus-per-node G --gpu GPU ...
     parallel3d convert SRC DST --to {hf,parallel3d} [--config CONFIG.json] [--dtype D]
+    parallel3d prepare-data INPUTS... --tokenizer DIR --out DIR [options]
 
 With no recipe, ``train`` runs the embedded ``recipes/debug_cpu.toml``. Errors the user
-can fix print one line and exit with status 2.
+can fix print one line and exit with status 2. A ``--local_rank=N`` / ``--local-rank N``
+argument added by a launcher (DeepSpeed's) is dropped: the rank comes from LOCAL_RANK.
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ def default_recipe() -> str:
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.config import load_config
-    from parallel3d.distributed import env_world_size, under_torchrun
-    from parallel3d.train.setup import check_job, job_world_size, resolve_model_config
+    from parallel3d.distributed import env_world_size, pick_backend, under_torchrun
+    from parallel3d.train.setup import (check_job, check_paths, check_vocab, job_world_size,
+                                        resolve_model_config)
 
     cfg = load_config(args.recipe or default_recipe(), overrides)
     world = job_world_size(cfg)  # checks launch.nnodes and launch.nproc
@@ -39,16 +43,18 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         raise UserError(f"launch.nnodes {cfg.launch.nnodes} > 1: start the job with torchrun on every node "
                         "(or check it here with --dry-run)")
     check_job(cfg, resolve_model_config(cfg.model), world)  # fail before any worker starts
+    pick_backend(cfg.launch.backend)
+    check_paths(cfg)
 
-    from parallel3d.train.worker import run_training, worker_main
+    from parallel3d.train.worker import run_worker, worker_main
 
     if under_torchrun() or cfg.launch.nproc == 1:
-        run_training(cfg)
-        return 0
+        return run_worker(cfg.to_dict())
     from parallel3d.launch import launch_local
     from parallel3d.train.data import prepare_corpus
 
-    prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
+    corpus = prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
+    check_vocab(corpus.vocab_size, resolve_model_config(cfg.model))
     return launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
 
 
@@ -63,8 +69,62 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prepare_data(args: argparse.Namespace) -> int:
+    from parallel3d.data.prepare import prepare_data
+
+    report = prepare_data(args.inputs, args.tokenizer, args.out, text_key=args.text_key,
+                          eos_token=args.eos_token, workers=args.workers,
+                          shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
+                          overwrite=args.overwrite, progress=not args.quiet)
+    print(report.summary(), flush=True)
+    return 0
+
+
+def _add_prepare_data(sub) -> None:
+    from parallel3d.data.prepare import DEFAULT_SHARD_TOKENS
+
+    p = sub.add_parser(
+        "prepare-data", help="tokenize text / JSON lines / Parquet into token shards for training",
+        description="Tokenize INPUTS (files, directories, globs: .txt = one document per file, "
+                    ".jsonl/.json = one per line, .parquet = one per row; .gz allowed except Parquet) "
+                    "with a Hugging Face tokenizer into memory-mapped token shards; train on them "
+                    "with --data.path=OUT.")
+    p.add_argument("inputs", nargs="+", metavar="INPUTS")
+    p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json")
+    p.add_argument("--out", required=True, metavar="DIR", help="output dataset directory")
+    p.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text (default: text)")
+    p.add_argument("--eos-token", default=None, help="EOS token (default: from tokenizer_config.json)")
+    p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                   help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS})")
+    p.add_argument("--val-fraction", type=float, default=0.0,
+                   help="share of the documents held out as the validation split (default: 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already in --out")
+    p.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def drop_launcher_args(argv: list[str]) -> list[str]:
+    """Remove ``--local_rank=N`` / ``--local-rank N`` that launchers append."""
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg.split("=", 1)[0] in ("--local_rank", "--local-rank"):
+            skip = "=" not in arg and i + 1 < len(argv) and argv[i + 1].isdigit()
+        else:
+            out.append(arg)
+    return out
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (status 2) like every other input error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parallel3d", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="parallel3d", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train a model from a TOML recipe",
                            epilog="overrides: --section.key=value, e.g. --parallel.dp=2 --launch.nproc=2")
@@ -72,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="check the whole job at its world size and print layout, stages and memory; "
                             "start nothing")
+    report = sub.add_parser("report", help="plot a run's metrics.jsonl to RUN_DIR/report.png and summarise it")
+    report.add_argument("run_dir", help="the run directory (run.dir of the recipe)")
     from parallel3d.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
@@ -88,22 +150,34 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cast the weights (default: keep the source's dtype)")
     conv.add_argument("--max-shard-gb", default="5", help="largest output file, GiB (default 5)")
     conv.add_argument("--no-verify", action="store_true", help="skip reading the output back")
+    _add_prepare_data(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = drop_launcher_args(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:
         if args.command == "train":
             return _train(args, rest)
+        if args.command == "report":
+            if rest:
+                raise UserError(f"unexpected argument(s) for report: {' '.join(rest)}")
+            from parallel3d.observe.report import write_report
+
+            write_report(args.run_dir)
+            return 0
         if args.command == "plan":
             if rest:
                 raise UserError(f"unexpected argument(s) for plan: {' '.join(rest)}")
             from parallel3d.planner.cli import run_plan
 
             return run_plan(args)
+        if args.command == "prepare-data":
+            if rest:
+                raise UserError(f"unexpected argument(s) for prepare-data: {' '.join(rest)}")
+            return _prepare_data(args)
         if args.command == "convert":
             if rest:
                 raise UserError(f"unexpected argument(s) for convert: {' '.join(rest)}")

@@ -102,6 +102,18 @@ class DataConfig:
     max_bytes: int = 8_000_000  # how much of the corpus to read
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     cache_dir: str = ""  # default: ~/.cache/parallel3d
+    val_fraction: float = 0.02  # stdlib: share of the documents held out for validation
+    # A dataset made by `parallel3d prepare-data` (its --out directory); when set, it is
+    # read instead of the stdlib corpus, and source / max_bytes / vocab_size / val_fraction
+    # do not apply.
+    path: str = ""
+    prefetch: int = 2  # steps of batches built ahead in a background thread; 0: in the step
+
+
+@dataclass
+class EvalConfig:
+    interval: int = 0  # evaluate on the validation split every N steps; 0: never
+    batches: int = 4  # global batches of the validation split per evaluation
 
 
 @dataclass
@@ -132,14 +144,41 @@ class CheckpointConfig:
 
 
 @dataclass
+class ObservabilityConfig:
+    progress: str = "auto"  # rank 0's live progress bar: auto (when stdout is a terminal), on, off
+    straggler_factor: float = 1.2  # warn about a rank busier than this times the median rank
+    straggler_interval: int = 10  # compare the ranks' step times every N steps (0: never)
+    tensorboard: bool = False  # also log to RUN_DIR/tensorboard (needs the tensorboard package)
+    wandb: bool = False  # also log to Weights & Biases (needs the wandb package)
+
+
+@dataclass
+class ReliabilityConfig:
+    """Timeouts, heartbeats, and what to do with bad numbers (``parallel3d/reliability``)."""
+
+    # Every collective and send/receive fails after this long; the survivors report the
+    # operation, the group and the rank that did not arrive, then exit.
+    comm_timeout_s: float = 300.0
+    heartbeat_s: float = 5.0  # how often each rank writes (step, operation) to the store
+    # A non-finite loss or gradient norm: "skip" drops the update (counted, logged) and
+    # goes on; "stop" saves through the checkpoint hook and exits with status 3.
+    on_nonfinite: str = "skip"
+    spike_factor: float = 3.0  # log a loss above this multiple of the recent mean (0: off)
+    spike_window: int = 20  # how many recent steps make that mean
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -221,7 +260,7 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         if "=" in arg:
             key, text = arg[2:].split("=", 1)
         else:
-            if i + 1 >= len(args):
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
                 raise UserError(f"'{arg}' needs a value: --section.key=value")
             key, text = arg[2:], args[i + 1]
             i += 1
@@ -248,6 +287,8 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"recipe '{path}' is a directory: give the path of a TOML recipe file")
     if not path.is_file():
         raise UserError(f"recipe '{path}' not found: give the path of a TOML recipe")
     try:
@@ -255,6 +296,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"recipe '{path}' is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"recipe '{path}' is not UTF-8 text (byte {e.start}): "
+                        "save it as UTF-8") from None
     except OSError as e:
         raise UserError(f"recipe '{path}' cannot be read: {e.strerror}") from None
 

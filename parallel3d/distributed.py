@@ -2,7 +2,8 @@
 
 A worker is started by ``torchrun`` (or our own elastic launch, which sets the same
 variables): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
-``MASTER_PORT``. Those are the only environment variables parallel3d reads.
+``MASTER_PORT``. Those (and ``LOCAL_SIZE``, which DeepSpeed's launcher sets instead of
+``LOCAL_WORLD_SIZE``) are the only environment variables parallel3d reads.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def set_cpu_threads(threads_per_proc: int) -> None:
     """Share the cores between the local processes (torchrun sets OMP_NUM_THREADS=1;
     our own launch does not, so the worker decides)."""
     if threads_per_proc <= 0:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        # DeepSpeed's launcher sets LOCAL_SIZE instead of torchrun's LOCAL_WORLD_SIZE.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         threads_per_proc = max(1, (os.cpu_count() or 1) // local)
     torch.set_num_threads(threads_per_proc)
 

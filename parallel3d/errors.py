@@ -10,6 +10,8 @@ from __future__ import annotations
 import difflib
 
 EXIT_USAGE = 2
+EXIT_STOPPED = 3  # reliability.on_nonfinite = "stop" ended the run
+EXIT_COMM = 4  # a collective timed out or a peer died; the survivors' report says which
 
 
 class UserError(ValueError):

@@ -13,7 +13,7 @@ import logging
 import sys
 import uuid
 
-from parallel3d.errors import EXIT_USAGE
+from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE
 
 
 def launch_local(entrypoint, args: tuple, nproc: int) -> int:
@@ -33,12 +33,29 @@ def launch_local(entrypoint, args: tuple, nproc: int) -> int:
     try:
         elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
-        codes = sorted({f.exitcode for f in e.failures.values()})
-        if codes == [EXIT_USAGE]:
-            return EXIT_USAGE  # the worker already printed the one-line reason
-        first_rank, failure = min(e.failures.items())
-        print(f"parallel3d: error: worker rank {first_rank} failed with exit code "
-              f"{failure.exitcode} ({len(e.failures)} of {nproc} workers failed)",
-              file=sys.stderr, flush=True)
-        return 1
+        return _report_failures(e.failures, nproc)
     return 0
+
+
+def _report_failures(failures: dict, nproc: int) -> int:
+    """One line naming the worker that failed first (a signal before an exit status:
+    a killed worker makes its peers fail after it); the workers printed their reasons."""
+    codes = {f.exitcode for f in failures.values()}
+    if codes == {EXIT_USAGE}:
+        return EXIT_USAGE  # the worker already printed the one-line reason
+    if codes == {EXIT_STOPPED}:
+        return EXIT_STOPPED  # rank 0 printed why (reliability.on_nonfinite = "stop")
+    killed = {r: f for r, f in failures.items() if f.exitcode < 0}
+    if not killed and codes == {EXIT_COMM}:
+        # A worker that saw a collective fail exited first; its report (above) names the
+        # operation, the group and the rank that was lost or late.
+        print(f"parallel3d: error: communication failed ({len(failures)} of {nproc} workers "
+              "reported it above); the launcher stopped the others", file=sys.stderr, flush=True)
+        return EXIT_COMM
+    rank, failure = min(killed.items()) if killed else min(failures.items())
+    how = (f"was killed by {failure.signal_name()}" if failure.exitcode < 0
+           else f"failed with exit code {failure.exitcode}")
+    print(f"parallel3d: error: lost worker rank {rank} (pid {failure.pid}): it {how}; "
+          f"{len(failures)} of {nproc} workers failed, the launcher stopped the others",
+          file=sys.stderr, flush=True)
+    return EXIT_COMM if killed or EXIT_COMM in codes else 1

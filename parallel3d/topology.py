@@ -124,7 +124,8 @@ class Topology:
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None,
-                 world_size: int | None = None, create_groups: bool = True):
+                 world_size: int | None = None, create_groups: bool = True,
+                 timeout_s: float | None = None):
         import torch.distributed as dist
 
         initialized = dist.is_available() and dist.is_initialized()
@@ -145,6 +146,9 @@ class Topology:
         self.embed_ranks = self.grid.embedding_ranks(rank)
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = None
         self.embed_group = None  # first + last pipeline stage (tied embeddings), pp > 1
+        # Sub-groups do not inherit the world group's timeout (torch gives them its own
+        # default of 30 minutes): pass it on, so every collective obeys one limit.
+        self.timeout_s = timeout_s
         if create_groups and initialized and world_size > 1:
             self._create_groups(dist)
 
@@ -155,10 +159,13 @@ class Topology:
     def _create_groups(self, dist) -> None:
         # Every rank must create every group in the same order (new_group is collective
         # over the whole world); each rank keeps the one that contains it.
+        from datetime import timedelta
+
+        timeout = timedelta(seconds=self.timeout_s) if self.timeout_s else None
         axes = ("tp", "dp", "pp", "mp") + (("embed",) if self.pp > 1 else ())
         for axis in axes:
             for ranks in self.grid.all_groups(axis):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     setattr(self, f"{axis}_group", group)
 

@@ -31,3 +31,18 @@ def corpus_dir(tmp_path_factory):
     cache = tmp_path_factory.mktemp("corpus")
     prepare_corpus(DataConfig(max_bytes=1_000_000, vocab_size=512, cache_dir=str(cache)))
     return str(cache)
+
+
+@pytest.fixture(scope="session")
+def prepared_dir(tmp_path_factory):
+    """A dataset made by prepare-data: ~1 MB of mixed text / JSON lines, a BPE of 700
+    tokens (EOS id 2), 5% of the documents held out, shards of 20k tokens."""
+    from data_inputs import make_mixed_inputs, make_tokenizer
+    from parallel3d.data.prepare import prepare_data
+
+    root = tmp_path_factory.mktemp("prepared")
+    tok = make_tokenizer(root / "tok")
+    make_mixed_inputs(root / "in", 1_000_000)
+    prepare_data([str(root / "in")], tok, root / "data", workers=1, val_fraction=0.05,
+                 shard_tokens=20_000, progress=False)
+    return str(root / "data")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 def tiny_job(corpus_dir: str, run_dir: str, **sections) -> dict:
     """Overrides for a fast debug-model run on the session corpus (fp32, CPU).
@@ -19,6 +21,21 @@ def tiny_job(corpus_dir: str, run_dir: str, **sections) -> dict:
     for name, keys in sections.items():
         job.setdefault(name, {}).update(keys)
     return job
+
+
+def tiny_job_on(prepared_dir: str, run_dir: str, **sections) -> dict:
+    """:func:`tiny_job` reading a prepare-data dataset (vocabulary 700) instead of the
+    stdlib corpus."""
+    job = tiny_job("", run_dir, **sections)
+    job["data"] = {"path": prepared_dir, **sections.get("data", {})}
+    job["model"]["vocab_size"] = 768
+    return job
+
+
+def job_args(job: dict) -> list[str]:
+    """The job as command-line overrides (``--section.key=value``, TOML literals)."""
+    return [f"--{section}.{key}={json.dumps(value)}"
+            for section, keys in job.items() for key, value in keys.items()]
 
 
 def relative_diff(a: list[float], b: list[float]) -> float:

@@ -10,6 +10,7 @@ The model has an odd vocabulary (515: padded to 516 at tp=2 and tp=4) and 2 kv-h
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -74,3 +75,23 @@ def test_tp2_dp2_resume_is_bit_exact_and_reshards(pools, corpus_dir, tmp_path):
         # as between the layouts themselves in test_train_tp); 1e-5 relative is the bar.
         assert len(continued) == STEPS - STOP
         assert relative_diff(continued, straight[STOP:]) < 1e-5, (tp, dp)
+
+
+def test_stop_on_a_non_finite_step_saves_through_the_hook(corpus_dir, tmp_path):
+    """reliability.on_nonfinite=stop: the trainer's checkpoint hook saves the state after
+    the skipped step, and a restart resumes there with the last good weights."""
+    from parallel3d.reliability import TrainingStopped
+
+    job = _job(corpus_dir, tmp_path / "run", interval=100)  # on, but no periodic save here
+    job["reliability"] = {"on_nonfinite": "stop"}
+    trainer = Trainer(config_from_dict(job), Topology.single())
+    first = next(trainer.model.parameters())
+    first.register_hook(lambda g: g * math.nan if trainer.step + 1 == 3 else g)
+    trainer.train_step()
+    trainer.train_step()
+    good = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(TrainingStopped, match="saved by the checkpoint hook"):
+        trainer.train_step()
+    resumed = Trainer(config_from_dict(job), Topology.single())
+    assert resumed.step == 3  # the poisoned step is done (skipped), its batch consumed
+    assert all(torch.equal(a, b) for a, b in zip(good, resumed.model.parameters()))

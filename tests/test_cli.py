@@ -18,11 +18,11 @@ def _cli(*args, timeout=120):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--parallel.tp=2", "--parallel.dp=2", "--launch.nproc=2"],
+    (["--parallel.tp=2", "--parallel.pp=1", "--parallel.dp=2", "--launch.nproc=2"],
      "world size 2 != tp*pp*dp = 2*1*2 = 4"),
-    (["--parallel.tp=3", "--parallel.dp=1", "--launch.nproc=3"],
+    (["--parallel.tp=3", "--parallel.pp=1", "--parallel.dp=1", "--launch.nproc=3"],
      "model.n_heads 4 is not divisible by parallel.tp 3"),
-    (["--parallel.pp=8", "--parallel.dp=1", "--launch.nproc=8"],
+    (["--parallel.tp=1", "--parallel.pp=8", "--parallel.dp=1", "--launch.nproc=8"],
      "model.n_layers 4 is fewer than parallel.pp 8"),
     (["--train.global_batch=10", "--train.micro_batch=4"],
      "train.global_batch 10 is not divisible by train.micro_batch 4 * parallel.dp 2 = 8"),
@@ -39,7 +39,8 @@ def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
 
 def test_launches_local_workers_and_logs_every_step(corpus_dir, tmp_path):
     run = tmp_path / "run"
-    proc, _ = _cli("train", "--launch.nproc=2", "--parallel.dp=2", "--train.steps=4",
+    proc, _ = _cli("train", "--launch.nproc=2", "--parallel.tp=1", "--parallel.pp=1",
+                   "--parallel.dp=2", "--train.steps=4",
                    "--train.log_interval=2", "--train.seq_len=32", f"--run.dir={run}",
                    "--data.max_bytes=1000000", "--data.vocab_size=512",
                    f"--data.cache_dir={corpus_dir}", timeout=300)

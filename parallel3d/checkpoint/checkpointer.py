@@ -165,6 +165,18 @@ class Checkpointer:
                                   "differs from the saved run's: resume with the same global batch")
 
     # -- saving ----------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """Whether this run writes checkpoints at all."""
+        return self.cfg.interval > 0 or self.export_dir is not None
+
+    def save_now(self, trainer) -> None:
+        """Save at ``trainer.step`` and wait until it is on disk (the trainer's hook before
+        it stops on a non-finite step)."""
+        if trainer.step != self._last_saved:
+            self.save(trainer)
+        self.writer.wait()
+
     def maybe_save(self, trainer) -> bool:
         every, last = self.cfg.interval, trainer.cfg.train.steps
         due = every > 0 and (trainer.step % every == 0 or trainer.step == last)

@@ -63,6 +63,7 @@ class PipelineSchedule:
         self.tied = [p for c in chunks for p in c.parameters() if getattr(p, "p3d_tied_embedding", False)]
         self.peak_alive = 0
         self.steps_run = 0
+        self.watch = None  # a reliability.CommWatch told of each send/recv, if attached
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward every micro-batch; returns the step's mean loss (a detached
@@ -83,10 +84,17 @@ class PipelineSchedule:
             self._exchange(batch, st)
         assert not st.stash and not st.inbox and not st.outbox, "plan left work undone"
         if self.comm is not None:
+            if self.watch is not None:
+                self.watch.enter("pipeline send/recv [last sends]", "pp")
             with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
                 self.comm.flush()
-        self._reduce_tied_gradients()
-        loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
+        with self.timeline.span("pp collectives", "comm", lane="comm"):
+            if self.watch is not None:
+                self.watch.enter("tied-embedding gradient all-reduce", "embed")
+            self._reduce_tied_gradients()
+            if self.watch is not None:
+                self.watch.enter("loss sum over the pipeline", "pp")
+            loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
         self.timeline.close_window()
         self.steps_run += 1
         return loss
@@ -127,8 +135,12 @@ class PipelineSchedule:
         payload = [(msg, st.outbox.pop((msg.kind, msg.chunk, msg.mb))) for msg in sends]
         label = " ".join([f"send {m.kind}{m.chunk}.{m.mb}" for m in sends]
                          + [f"recv {m.kind}{m.chunk}.{m.mb}" for m in recvs])
+        if self.watch is not None:
+            self.watch.enter(f"pipeline send/recv [{label}]", "pp")
         with self.timeline.span("wait", "wait", lane="comm", ops=label):
             received = self.comm.exchange(payload, recvs)
+        if self.watch is not None:
+            self.watch.resume()
         for msg, tensor in zip(recvs, received):
             st.inbox[(msg.kind, msg.chunk, msg.mb)] = tensor
 
@@ -136,7 +148,12 @@ class PipelineSchedule:
         # All stages open the step's window together, so the bubble of every stage is
         # measured over the same stretch of time (one tiny all-reduce per step).
         if self.topo.pp_group is not None:
-            all_reduce(torch.zeros(1, device=self.device), self.topo.pp_group)
+            with self.timeline.span("pipeline sync", "comm", lane="comm"):
+                if self.watch is not None:
+                    self.watch.enter("pipeline step-start all-reduce", "pp")
+                all_reduce(torch.zeros(1, device=self.device), self.topo.pp_group)
+                if self.watch is not None:
+                    self.watch.resume()
 
     @torch.no_grad()
     def _reduce_tied_gradients(self) -> None:

@@ -63,13 +63,20 @@ class Timeline:
         self._step = None
 
     # -- recording ---------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Open step ``step``'s record at the step's very start (the trainer, before it
+        fetches data), so spans before the window (data, synchronisation) belong to it."""
+        self._finish_step()
+        mark = self.clock.mark()
+        if self._origin is None:
+            self._origin = mark
+        self._step = {"step": step, "begin": mark, "start": mark, "spans": []}
+
     def start_step(self, step: int) -> None:
         """Open step ``step``'s window (call right after the pipeline's ranks synchronise)."""
-        self._finish_step()
-        start = self.clock.mark()
-        if self._origin is None:
-            self._origin = start
-        self._step = {"step": step, "start": start, "spans": []}
+        if self._step is None or self._step["step"] != step:
+            self.begin_step(step)
+        self._step["start"] = self.clock.mark()
 
     @contextlib.contextmanager
     def span(self, name: str, cat: str, lane: str = "compute", **args):
@@ -93,6 +100,23 @@ class Timeline:
         self.last_bubble = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
         return self.last_bubble
 
+    def step_breakdown(self) -> dict[str, float]:
+        """Seconds per span category (forward, backward, wait, optimizer, ...) of the step
+        in progress or last closed; spans of one category on different lanes add up."""
+        out: dict[str, float] = {}
+        for _, cat, _, t0, t1, _ in (self._step or {}).get("spans", []):
+            out[cat] = out.get(cat, 0.0) + self.clock.seconds(t0, t1)
+        return out
+
+    def step_spans(self) -> list[tuple[str, float, float]]:
+        """The current step's spans as ``(cat, t0, t1)`` in seconds from the step's
+        beginning (resolves CUDA events: call after the step's work is done)."""
+        step = self._step
+        if step is None:
+            return []
+        s, begin = self.clock.seconds, step["begin"]
+        return [(cat, s(begin, t0), s(begin, t1)) for _, cat, _, t0, t1, _ in step["spans"]]
+
     def _finish_step(self) -> None:
         step, self._step = self._step, None
         if step is None or len(self.recorded) >= self.record_steps:
@@ -107,6 +131,14 @@ class Timeline:
         """The recorded steps (picklable), closing the step in progress."""
         self._finish_step()
         return self.recorded
+
+
+def comm_span(timeline: Timeline | None, name: str):
+    """A "comm" span (time blocked in a collective) on ``timeline``, or nothing without one
+    (the optimizers hold ``timeline = None`` until the trainer gives them its own)."""
+    if timeline is None:
+        return contextlib.nullcontext()
+    return timeline.span(name, "comm", lane="comm")
 
 
 def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
@@ -131,6 +163,13 @@ def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
                     "ts": round((offset + t0) * 1e6, 3), "dur": round(max(0.0, t1 - t0) * 1e6, 3),
                     "args": {"step": rec["step"], **args},
                 })
+    # Spans before a step's synchronisation point (data, the sync itself) can start before
+    # rank 0's first mark on another rank: move the whole trace so that time starts at 0.
+    spans = [e for e in events if e["ph"] == "X"]
+    first = min((e["ts"] for e in spans), default=0.0)
+    if first < 0:
+        for e in spans:
+            e["ts"] = round(e["ts"] - first, 3)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -8,6 +8,17 @@ import time
 from pathlib import Path
 
 
+def _extras(record: dict) -> str:
+    out = ""
+    if record.get("data_wait_s", 0) >= 1e-3:  # only when the step waited for data
+        out += f"  data_wait {record['data_wait_s'] * 1e3:.0f} ms"
+    if "val_loss" in record:
+        out += f"  val_loss {record['val_loss']:.4f}"
+    if "mfu" in record:
+        out += f"  MFU {record['mfu'] * 100:.1f}%"
+    return out
+
+
 class MetricsLogger:
     """Appends each step's record to ``metrics.jsonl`` (flushed per line, so a killed run
     keeps every finished step) and writes the resolved config to ``config.json``.
@@ -49,7 +60,7 @@ class MetricsLogger:
         if console:
             print(f"step {record['step']:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
                   f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
-                  f"{record['step_time_s'] * 1e3:.0f} ms", file=sys.stdout, flush=True)
+                  f"{record['step_time_s'] * 1e3:.0f} ms" + _extras(record), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         self._file.close()

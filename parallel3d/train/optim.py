@@ -6,6 +6,9 @@ The optimizer interface the trainer sees (:class:`DataParallelOptimizer`)::
     ... forward / backward over the micro-batches ...
     grad_norm = opt.step(lr)   # sync gradients, clip by the global norm, update
 
+A step whose global norm is not finite (or called with ``skip=True``) still does every
+collective, so the ranks stay in step, but changes no weight and no optimizer state.
+
 so that the sharded (ZeRO) optimizer can replace it without the loop knowing.
 """
 
@@ -18,6 +21,7 @@ import torch
 from parallel3d.config import TrainConfig
 from parallel3d.data_parallel import all_reduce_gradients
 from parallel3d.distributed import all_reduce
+from parallel3d.pipeline.timeline import comm_span
 from parallel3d.tensor_parallel.grad_sync import sync_tensor_parallel_grads
 from parallel3d.topology import Topology
 
@@ -78,6 +82,7 @@ class DataParallelOptimizer:
         self.params = [p for p in params if p.requires_grad]
         self.cfg = cfg
         self.topo = topo
+        self.timeline = None  # the trainer's Timeline: collective waits recorded as "comm" spans
         self.inner = torch.optim.AdamW(
             param_groups(self.params, cfg.weight_decay), lr=cfg.lr,
             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
@@ -87,12 +92,16 @@ class DataParallelOptimizer:
             p.grad = None
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
+    def step(self, lr: float, skip: bool = False) -> float:
         # Partial gradients of parameters several tp ranks hold (norms under sequence
         # parallelism, replicated kv-heads) are summed over them; then the dp mean.
-        sync_tensor_parallel_grads(self.params, self.topo)
-        all_reduce_gradients(self.params, self.topo.dp_group, self.topo.dp)
-        norm = global_grad_norm(((p.grad, p) for p in self.params), self.topo)
+        with comm_span(self.timeline, "grad sync"):
+            sync_tensor_parallel_grads(self.params, self.topo)
+            all_reduce_gradients(self.params, self.topo.dp_group, self.topo.dp)
+        with comm_span(self.timeline, "grad norm"):
+            norm = global_grad_norm(((p.grad, p) for p in self.params), self.topo)
+        if skip or not math.isfinite(float(norm)):  # the same norm on every rank
+            return float(norm)
         if self.cfg.grad_clip > 0:
             coef = clip_coefficient(norm, self.cfg.grad_clip)
             grads = [p.grad for p in self.params if p.grad is not None]

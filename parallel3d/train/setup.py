@@ -7,12 +7,15 @@ worker runs it again (under torchrun there is no launching process of ours).
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
+from pathlib import Path
 
 from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError, did_you_mean
 from parallel3d.models.llama import LlamaConfig, config_from_preset
 from parallel3d.models.llama.parallelize import check_tensor_parallel
+from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
 from parallel3d.pipeline.schedules import SCHEDULES
 from parallel3d.topology import validate_layout
@@ -69,6 +72,7 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.dtype not in ("auto", "fp32", "bf16"):
         raise UserError(f"train.dtype '{train.dtype}' is not supported: use auto, fp32 or bf16")
     validate_layout(par.tp, par.pp, par.dp, world_size)
+    check_observability(cfg.observability)
     check_memory_options(cfg)
     if par.zero == 2 and par.pp > 1 and model.tie_embeddings:
         # The pipeline sums a tied embedding's gradient over the first and last stage after
@@ -103,8 +107,30 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     check_pipeline(cfg, n_micro)
     if cfg.run.trace_steps < 0:
         raise UserError(f"run.trace_steps must be >= 0 (0: no trace), got {cfg.run.trace_steps}")
+    if cfg.eval.interval and par.pp > 1:
+        raise UserError("eval.interval > 0 is not supported with parallel.pp > 1 yet (the "
+                        "validation forward does not run through the pipeline schedule): "
+                        "set eval.interval=0")
+    for name, value, least in (("eval.interval", cfg.eval.interval, 0), ("eval.batches", cfg.eval.batches, 1),
+                               ("data.prefetch", cfg.data.prefetch, 0)):
+        if value < least:
+            raise UserError(f"{name} must be at least {least}, got {value}")
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+    check_reliability(cfg)
+
+
+def check_reliability(cfg: JobConfig) -> None:
+    rel = cfg.reliability
+    _positive("reliability.comm_timeout_s", rel.comm_timeout_s)
+    _positive("reliability.heartbeat_s", rel.heartbeat_s)
+    _positive("reliability.spike_window", rel.spike_window)
+    if rel.on_nonfinite not in ("skip", "stop"):
+        raise UserError(f"reliability.on_nonfinite '{rel.on_nonfinite}' is not supported: "
+                        "use skip or stop")
+    if rel.spike_factor < 0 or 0 < rel.spike_factor <= 1:
+        raise UserError(f"reliability.spike_factor must be above 1 (or 0 to turn the check "
+                        f"off), got {rel.spike_factor}")
 
 
 def check_pipeline(cfg: JobConfig, n_micro: int) -> None:
@@ -150,3 +176,26 @@ def job_world_size(cfg: JobConfig) -> int:
         if value < 1:
             raise UserError(f"launch.{name} must be at least 1, got {value}")
     return cfg.launch.nnodes * cfg.launch.nproc
+
+
+def check_paths(cfg: JobConfig) -> None:
+    """The directories the job writes (corpus cache, run directory) must be directories,
+    or creatable under a writable one."""
+    cache = cfg.data.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "parallel3d")
+    for name, value in (("data.cache_dir", cache), ("run.dir", cfg.run.dir)):
+        path = Path(value)
+        if path.exists() and not path.is_dir():
+            raise UserError(f"{name} '{value}' is a file, not a directory: give a directory path")
+        parent = path
+        while not parent.exists():
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UserError(f"{name} '{value}' cannot be created: '{parent}' is a file")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise UserError(f"{name} '{value}' cannot be created: '{parent}' is not writable")
+
+
+def check_vocab(tokenizer_vocab: int, model: LlamaConfig) -> None:
+    if tokenizer_vocab > model.vocab_size:
+        raise UserError(f"the tokenizer's vocabulary ({tokenizer_vocab}) exceeds model.vocab_size "
+                        f"{model.vocab_size}: raise model.vocab_size or lower data.vocab_size")

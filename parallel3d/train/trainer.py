@@ -3,12 +3,18 @@
 It sees a model, a loss function, an optimizer, a micro-batch schedule and a topology; it
 never branches on which kinds of parallelism are on. One step::
 
-    micro_batches = sampler.step_indices(step)          # this dp rank's share
+    micro_batches, wait = loader.next()                 # this dp rank's share, prefetched
     loss = schedule.run(micro_batches)                  # forward + backward, grads summed
     grad_norm = optimizer.step(lr)                      # dp sync, global clip, AdamW
 
 The schedule is the pipeline schedule (``parallel3d.pipeline``); with ``pp = 1`` it is the
 plain loop, forward and backward of each micro-batch in turn.
+
+A step whose loss or gradient norm is not finite changes no weight (the optimizer skips
+it, on every rank alike); ``reliability.on_nonfinite`` then either goes on ("skip": the
+batch is consumed, the step number and the learning-rate schedule advance, the step is
+counted in ``skipped_steps``) or stops (:class:`~parallel3d.reliability.TrainingStopped`,
+after calling ``trainer.on_stop(trainer)`` -- the checkpoint hook -- when one is set).
 
 The loss of a step is the mean over every token of the global batch: each micro-batch's
 mean is divided by the number of micro-batches, and the data-parallel ranks average.
@@ -18,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import sys
 import time
 from pathlib import Path
 
@@ -26,14 +34,17 @@ import torch.distributed as dist
 
 from parallel3d.checkpoint import Checkpointer
 from parallel3d.config import JobConfig
-from parallel3d.distributed import all_reduce, local_rank
-from parallel3d.errors import UserError
+from parallel3d.distributed import all_reduce
 from parallel3d.models.llama import Llama
 from parallel3d.models.llama.parallelize import activation_shape, apply_recompute, parallelize_llama
+from parallel3d.observe.progress import ProgressBar, wants_bar
+from parallel3d.observe.sinks import Sinks
+from parallel3d.observe.stats import StepObserver, straggler_warning
 from parallel3d.pipeline import build_schedule
 from parallel3d.pipeline.timeline import write_trace
+from parallel3d.reliability import CommWatch, LossSpikeDetector, TrainingStopped, nonfinite_reason
 from parallel3d.topology import Topology
-from parallel3d.train.data import GlobalBatchSampler, TokenWindows, prepare_corpus
+from parallel3d.train.data import build_train_data
 from parallel3d.train.metrics import MetricsLogger
 from parallel3d.train.optim import build_optimizer, lr_at
 from parallel3d.train.setup import check_job, resolve_model_config
@@ -47,14 +58,20 @@ def _autocast_for(cfg: JobConfig, device: torch.device):
 
 
 class Trainer:
+    """``step_hooks``: callables ``hook(trainer)`` run inside every step, after its forward
+    and backward and before its collectives (tests use one to slow a rank down)."""
+
     def __init__(self, cfg: JobConfig, topo: Topology, device: torch.device | None = None,
-                 log: bool = True):
+                 log: bool = True, watch: CommWatch | None = None):
         self.cfg, self.topo = cfg, topo
+        rel = cfg.reliability
+        # Where this rank is (step, operation, group), for the report of a failed collective.
+        self.watch = watch or CommWatch(topo, rel.comm_timeout_s, rel.heartbeat_s)
         self.device = device or torch.device("cpu")
         self.model_cfg = resolve_model_config(cfg.model)
         check_job(cfg, self.model_cfg, topo.world_size)
 
-        self.windows = TokenWindows(self._corpus_tokens(), cfg.train.seq_len)
+        self.data = build_train_data(cfg, topo, self.device, self.model_cfg.vocab_size)
         # Every rank builds the full model from the same seed, then keeps its part, so
         # any layout starts from exactly the weights of the unsplit model.
         torch.manual_seed(cfg.train.seed)
@@ -74,35 +91,27 @@ class Trainer:
                                               cfg.train.seq_len, topo.tp,
                                               cfg.parallel.sequence_parallel),
             autocast=_autocast_for(cfg, self.device), record_steps=cfg.run.trace_steps)
-        self.sampler = GlobalBatchSampler(
-            self.windows.num_samples, cfg.train.global_batch, cfg.train.micro_batch,
-            topo.dp, topo.dp_rank, cfg.train.seed)
+        self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
+        self.optimizer.timeline = self.schedule.timeline  # its collective waits become spans
+        self.observer = StepObserver(cfg, topo, self.device, self.model_cfg)
+        self.step_hooks: list = []
+        self.schedule.watch = self.watch
+        # The group carrying the collectives inside forward/backward (tp all-reduces,
+        # pipeline sends, ZeRO-2 reduce-scatters), innermost first.
+        self._compute_axis = next((a for a in ("tp", "pp", "dp") if getattr(topo, a) > 1), "world")
         self.step = 0
+        self.skipped_steps = 0
+        self.spikes = LossSpikeDetector(rel.spike_factor, rel.spike_window)
+        # Optimizer, data position and RNG of the checkpoint being resumed; its step.
         self.step = self.checkpointer.load_training_state(self)
+        # called as on_stop(trainer) before a "stop" exit: the checkpoint hook
+        self.on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
         is_logger = log and topo.rank == 0
         resumed = self.checkpointer.resumed_from is not None
         self.metrics = (MetricsLogger(Path(cfg.run.dir), cfg.to_dict(),
                                       resume_step=self.step if resumed else None)
                         if is_logger else None)
-
-    def _corpus_tokens(self):
-        # One process per node writes the cache; the others wait for it.
-        corpus = prepare_corpus(self.cfg.data) if local_rank() == 0 else None
-        if dist.is_initialized():
-            dist.barrier()
-        corpus = corpus or prepare_corpus(self.cfg.data)
-        vocab = corpus.meta["vocab_size"]
-        if vocab > self.model_cfg.vocab_size:
-            raise UserError(f"the tokenizer's vocabulary ({vocab}) exceeds model.vocab_size "
-                            f"{self.model_cfg.vocab_size}: raise model.vocab_size or lower data.vocab_size")
-        return corpus.tokens()
-
-    def _micro_batches(self, step: int):
-        out = []
-        for idx in self.sampler.step_indices(step):
-            x, y = self.windows.batch(idx)
-            out.append((x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)))
-        return out
+        self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -111,25 +120,72 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics (the same on every rank)."""
         cfg = self.cfg.train
+        if self.step == 0 and dist.is_initialized() and self.topo.world_size > 1:
+            dist.barrier()  # start the first step together: its time is not setup's skew
         self._sync()
         t0 = time.perf_counter()
+        timeline = self.schedule.timeline
+        timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
         self.optimizer.zero_grad()
-        loss = self.schedule.run(self._micro_batches(self.step))
+        self.watch.step = self.step + 1
+        self.watch.compute("forward/backward", self._compute_axis)
+        with timeline.span("data", "data"):  # the wait for batches built in the background
+            micro_batches, _ = self.data.loader.next()
+        loss = self.schedule.run(micro_batches)
+        for hook in self.step_hooks:
+            hook(self)
         # The loss all-reduce goes before the step: the sharded optimizer ends its step by
         # issuing asynchronous all-gathers on the dp group, which it would queue behind.
-        loss = all_reduce(loss, self.topo.dp_group) / self.topo.dp
+        self.watch.enter("loss all-reduce", "dp")
+        with timeline.span("loss all-reduce", "comm", lane="comm"):
+            loss = float(all_reduce(loss, self.topo.dp_group) / self.topo.dp)
+        self.watch.enter("optimizer step (gradient reduction, global norm)", "dp")
         with self.schedule.timeline.span("optimizer", "optimizer"):
-            grad_norm = self.optimizer.step(lr)
+            grad_norm = self.optimizer.step(lr, skip=not math.isfinite(loss))
         self._sync()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
-        record = {"step": self.step, "loss": float(loss), "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics()}
+        record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics(),
+                  **self._check_numbers(loss, grad_norm),
+                  **self.observer.collect(self.step, dt, timeline.step_spans())}
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
+
+    def _check_numbers(self, loss: float, grad_norm: float) -> dict:
+        """Skip or stop on a non-finite step, flag a loss spike (same on every rank: the
+        loss and the norm are all-reduced values)."""
+        reason = nonfinite_reason(loss, grad_norm)
+        spike_mean = None if reason else self.spikes.update(loss)
+        if reason:
+            self.skipped_steps += 1
+            if self.cfg.reliability.on_nonfinite == "stop":
+                saved = ""
+                if self.on_stop is not None:
+                    self.on_stop(self)
+                    saved = " (saved by the checkpoint hook)"
+                raise TrainingStopped(
+                    f"step {self.step}: non-finite {reason}; stopped with the weights after step "
+                    f"{self.step - 1}{saved} (reliability.on_nonfinite=stop): lower train.lr, "
+                    "check the data, or set reliability.on_nonfinite=skip")
+            self._warn(f"step {self.step}: non-finite {reason}: update skipped "
+                       f"({self.skipped_steps} skipped so far)")
+        elif spike_mean is not None:
+            g = self.cfg.train.global_batch
+            start = (self.step - 1) * g
+            self._warn(f"step {self.step}: loss spike {loss:.4f} > {self.spikes.factor:g} x "
+                       f"{spike_mean:.4f} (mean of the previous {len(self.spikes.recent) - 1} steps); "
+                       f"batch = global sample positions [{start}, {start + g}), epoch "
+                       f"{start // self.data.windows.num_samples}")
+        return {"skipped": reason is not None, "skipped_steps": self.skipped_steps,
+                "loss_spike": spike_mean is not None}
+
+    def _warn(self, message: str) -> None:
+        if self.topo.rank == 0:
+            print(f"parallel3d: warning: {message}", file=sys.stderr, flush=True)
 
     def _log_memory(self) -> None:
         """Per-rank bytes of parameters, gradients and optimizer state (from storage) to
@@ -152,13 +208,18 @@ class Trainer:
         """Train to ``train.steps`` (or stop after step ``stop_at``, as a run that is
         interrupted and resumed later); returns the records of the steps run."""
         history = []
+        bar = None
+        if self.metrics is not None and wants_bar(self.cfg.observability.progress):
+            bar = ProgressBar(self.cfg.train.steps)
         end = self.cfg.train.steps if stop_at is None else min(stop_at, self.cfg.train.steps)
         while self.step < end:
             record = self.train_step()
+            interval = self.cfg.eval.interval
+            if interval and record["step"] % interval == 0:
+                record["val_loss"] = self.evaluate()
             history.append(record)
             if self.metrics is not None:
-                self.metrics.log(record, console=record["step"] % self.cfg.train.log_interval == 0
-                                 or record["step"] == self.cfg.train.steps)
+                self._report(record, bar)
             if self.step == 1:  # every buffer exists after the first step
                 self._log_memory()
             self.checkpointer.maybe_save(self)
@@ -166,6 +227,23 @@ class Trainer:
             self.checkpointer.finish(self)
         else:
             self.checkpointer.writer.wait()
+        self.data.loader.close()
         if self.metrics is not None:
+            if bar is not None:
+                bar.close()
             self.metrics.close()
+            self.sinks.close()
+        self.watch.close()
         return history
+
+    def _report(self, record: dict, bar: ProgressBar | None) -> None:
+        """Rank 0: the record to metrics.jsonl and the sinks; the bar or a log line."""
+        step = record["step"]
+        on_interval = step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps
+        self.metrics.log(record, console=on_interval and bar is None)
+        self.sinks.log(record)
+        if bar is not None:
+            bar.update(record)
+        for s in record.get("stragglers", []):
+            print(("\n" if bar is not None else "") + straggler_warning(s, self.cfg.observability.straggler_factor),
+                  file=sys.stderr, flush=True)

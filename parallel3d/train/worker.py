@@ -1,4 +1,11 @@
-"""What each worker process runs: join the group, build the topology, train."""
+"""What each worker process runs: join the group, build the topology, train.
+
+Failures a worker reports itself, with its exit status (``parallel3d.errors``): a bad
+config (2, rank 0 prints it), a non-finite step under ``on_nonfinite = "stop"`` (3,
+rank 0), a collective that timed out or lost a peer (4, every rank that sees it prints
+:meth:`~parallel3d.reliability.CommWatch.report` and leaves without touching the broken
+process group).
+"""
 
 from __future__ import annotations
 
@@ -10,34 +17,64 @@ import torch.distributed as dist
 from parallel3d.config import JobConfig, config_from_dict
 from parallel3d.distributed import (device_for, init_from_env, pick_backend, set_cpu_threads,
                                     under_torchrun)
-from parallel3d.errors import EXIT_USAGE, UserError
+from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE, UserError
+from parallel3d.reliability import CommFailure, CommWatch, TrainingStopped, comm_failures_reported
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
 
-def run_training(cfg: JobConfig) -> list[dict]:
+def run_training(cfg: JobConfig, on_stop=None) -> list[dict]:
     """Train in this process: under torchrun (or our launch) as one rank of the world,
-    otherwise as a world of one without any process group."""
+    otherwise as a world of one without any process group.
+
+    A failed collective raises :class:`CommFailure` whose message is the full report."""
     backend = pick_backend(cfg.launch.backend)
     set_cpu_threads(cfg.launch.threads_per_proc)
+    rel = cfg.reliability
     if under_torchrun():
-        init_from_env(backend)
-        topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp)
+        init_from_env(backend, rel.comm_timeout_s)
+        topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, timeout_s=rel.comm_timeout_s)
     else:
         topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, rank=0, world_size=1)
+    watch = CommWatch.for_process_group(topo, rel.comm_timeout_s, rel.heartbeat_s)
     try:
-        return Trainer(cfg, topo, device_for(backend)).fit()
+        with comm_failures_reported(watch, passthrough=(UserError, TrainingStopped)):
+            trainer = Trainer(cfg, topo, device_for(backend), watch=watch)
+            trainer.on_stop = on_stop
+            history = trainer.fit()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        watch.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return history
+
+
+def run_worker(cfg_dict: dict) -> int:
+    """Train as this process's rank; return the exit status, having printed the reason of
+    any failure (see the module docstring)."""
+    # Config checks and the non-finite decision are the same on every rank: say it once.
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    try:
+        run_training(config_from_dict(cfg_dict))
+    except UserError as e:
+        if rank0:
+            print(f"parallel3d: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except TrainingStopped as e:
+        if rank0:
+            print(f"parallel3d: stopped: {e}", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
+    except CommFailure as e:
+        print(f"parallel3d: error: {e}", file=sys.stderr, flush=True)
+        # The process group is broken: tearing it down can block (NCCL) or fail, and the
+        # peers are gone or leaving; exit now.
+        sys.stdout.flush()
+        os._exit(EXIT_COMM)
+    return 0
 
 
 def worker_main(cfg_dict: dict) -> None:
     """Entry point of a launched worker (picklable: a module-level function)."""
-    try:
-        run_training(config_from_dict(cfg_dict))
-    except UserError as e:
-        # Config checks are deterministic, so every rank raises the same error: say it once.
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"parallel3d: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(EXIT_USAGE)
+    code = run_worker(cfg_dict)
+    if code:
+        sys.exit(code)

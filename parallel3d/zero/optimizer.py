@@ -24,12 +24,15 @@ parameters ``parallelize`` left on this rank and the topology's groups.
 
 from __future__ import annotations
 
+import math
+
 from functools import partial
 
 import torch
 
 from parallel3d.config import TrainConfig
 from parallel3d.distributed import all_reduce
+from parallel3d.pipeline.timeline import comm_span
 from parallel3d.tensor_parallel.grad_sync import sum_over_tp_holders
 from parallel3d.topology import Topology
 from parallel3d.train.optim import applies_weight_decay, clip_coefficient, counts_in_norm
@@ -72,6 +75,7 @@ class ZeroOptimizer:
             raise ValueError(f"ZeroOptimizer stage must be 1 or 2, got {stage}")
         self.params = _unique(params)
         self.cfg, self.topo, self.stage, self.offload = cfg, topo, stage, offload
+        self.timeline = None  # the trainer's Timeline: collective waits recorded as "comm" spans
         self.dp, self.dp_rank = topo.dp, topo.dp_rank
         self.dp_group = topo.dp_group if topo.dp > 1 else None
         device = self.params[0].device
@@ -174,15 +178,19 @@ class ZeroOptimizer:
         self.reducer.zero()
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
-        self.wait_for_params()
-        grad = self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
+    def step(self, lr: float, skip: bool = False) -> float:
+        with comm_span(self.timeline, "grad sync"):
+            self.wait_for_params()
+            grad = self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
         # Parameters several tp ranks hold with partial gradients (norms under sequence
         # parallelism, replicated kv-heads): sum their pieces of the shard over the tp
         # holders. Summing commutes with the dp mean, and every rank of a tp group has the
         # same bucket layout and dp_rank, so the pieces line up.
-        sum_over_tp_holders(self._partial_pieces, self.topo)
-        norm = self._global_grad_norm()
+        with comm_span(self.timeline, "grad norm"):
+            sum_over_tp_holders(self._partial_pieces, self.topo)
+            norm = self._global_grad_norm()
+        if skip or not math.isfinite(float(norm)):  # same norm on every rank: all skip
+            return float(norm)
         if self.cfg.grad_clip > 0:
             grad.mul_(clip_coefficient(norm, self.cfg.grad_clip))
         self.step_count += 1

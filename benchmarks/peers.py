@@ -1,0 +1,291 @@
+"""One training run of each side, executed on every rank of a gloo/NCCL pool.
+
+Each ``run_*`` builds its side from ``_common.initial_model`` (the trainer's weights),
+feeds it ``_common.GlobalBatches`` and returns a :class:`_common.Run` for this rank:
+the time of every optimizer step (forward, backward, gradient sync, clipping, update),
+the step's loss (mean over the global batch, the same on every rank) and peak memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _common import (GlobalBatches, PeakMemory, Run, adamw, clip_global_norm, initial_model, job,
+                     rank_micro_batches, timed)
+from parallel3d.models.llama.parallelize import cross_entropy_loss
+
+DEVICE = torch.device("cpu")
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return DEVICE
+
+
+# -- parallel3d ------------------------------------------------------------------------------
+
+def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
+    """Our Trainer, end to end (its own sampler, schedule and optimizer)."""
+    from parallel3d.topology import Topology
+    from parallel3d.train.trainer import Trainer
+
+    cfg = job(layout, steps, **job_kw)
+    device = _device()
+    run = Run()
+    with PeakMemory(device, tensors=memory_run) as mem:
+        trainer = Trainer(cfg, Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp),
+                          device, log=False)
+        for _ in range(steps):
+            dt, record = timed(trainer.train_step, device)
+            run.times.append(dt)
+            run.losses.append(record["loss"])
+            run.extra.setdefault("bubble_fraction", []).append(record.get("bubble_fraction", 0.0))
+            run.extra.setdefault("breakdown", []).append(
+                {**trainer.schedule.timeline.step_breakdown(), "step": dt})
+    run.peak = mem.peak
+    return run
+
+
+# -- DeepSpeed -------------------------------------------------------------------------------
+
+def _deepspeed():
+    import deepspeed
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    deepspeed.utils.logger.setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return deepspeed
+
+
+def _ds_config(cfg, micro: int, accum: int, zero: int, dp: int) -> dict:
+    bucket = int(cfg.parallel.bucket_mb * 2**20) // 4
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+            "train_batch_size": micro * accum * dp,
+            "gradient_clipping": cfg.train.grad_clip,
+            # buckets of parallel.bucket_mb (ours, 25 MiB of fp32) instead of DeepSpeed's
+            # 5e8 elements, which it allocates whole (1.9 GiB) whatever the model size
+            "zero_optimization": {"stage": zero, "reduce_bucket_size": bucket,
+                                  "allgather_bucket_size": bucket},
+            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
+            "bf16": {"enabled": cfg.train.dtype == "bf16"}}
+
+
+def run_deepspeed_zero(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
+    """DeepSpeed's engine with ZeRO ``layout['zero']`` over dp = world size."""
+    deepspeed = _deepspeed()
+    cfg = job(layout, steps, **job_kw)
+    dp, rank, micro = dist.get_world_size(), dist.get_rank(), cfg.train.micro_batch
+    data = GlobalBatches(cfg)
+    accum = cfg.train.global_batch // (micro * dp)
+    device = _device()
+    run = Run()
+    with PeakMemory(device, tensors=memory_run) as mem:
+        model = initial_model(cfg).to(device)
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=adamw(model.parameters(), cfg),
+            config=_ds_config(cfg, micro, accum, layout["zero"], dp))
+
+        def step(s: int) -> torch.Tensor:
+            total = torch.zeros((), device=device)
+            for x, y in rank_micro_batches(*data(s), dp, rank, micro):
+                loss = cross_entropy_loss(engine(x.to(device)), y.to(device))
+                engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps
+                engine.step()  # updates only at the accumulation boundary
+                total += loss.detach() / accum
+            dist.all_reduce(total)
+            return total / dp
+
+        for s in range(steps):
+            dt, loss = timed(lambda: step(s), device)
+            run.times.append(dt)
+            run.losses.append(float(loss))
+        engine.destroy()
+    run.peak = mem.peak
+    return run
+
+
+class _EmbedPipe(nn.Module):
+    def __init__(self, embed: nn.Embedding):
+        super().__init__()
+        self.embed_tokens = embed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+
+class DecoderPipe(nn.Module):
+    """One decoder layer taking only the hidden states (DeepSpeed's pipeline passes one
+    tensor between layers); the rotary tables are rebuilt per call, as our chunks do."""
+
+    def __init__(self, layer: nn.Module, model):
+        super().__init__()
+        self.layer = layer
+        self.rope = model.rope
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rope(h.shape[1], h.device)
+        return self.layer(h, cos.to(h.dtype), sin.to(h.dtype))
+
+
+class _HeadPipe(nn.Module):
+    def __init__(self, norm: nn.Module, lm_head: nn.Module):
+        super().__init__()
+        self.norm, self.lm_head = norm, lm_head
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h))
+
+
+def run_deepspeed_pipe(layout: dict, steps: int, ds_pp: int, ds_zero: int = 0,
+                       memory_run: bool = False, **job_kw) -> Run:
+    """DeepSpeed's PipelineEngine (its 1F1B 'TrainSchedule') with ``ds_pp`` stages and
+    dp = world / ds_pp, decoder layers balanced over the stages, ZeRO ``ds_zero``."""
+    deepspeed = _deepspeed()
+    from deepspeed.pipe import PipelineModule
+
+    cfg = job(layout, steps, **job_kw)
+    dp, micro = dist.get_world_size() // ds_pp, cfg.train.micro_batch
+    accum = cfg.train.global_batch // (micro * dp)
+    data = GlobalBatches(cfg)
+    device = _device()
+    run = Run()
+    with PeakMemory(device, tensors=memory_run) as mem:
+        full = initial_model(cfg)
+        layers = [_EmbedPipe(full.embed_tokens),
+                  *[DecoderPipe(layer, full) for layer in full.layers.values()],
+                  _HeadPipe(full.norm, full.lm_head)]
+        module = PipelineModule(layers, num_stages=ds_pp, loss_fn=cross_entropy_loss,
+                                partition_method="type:DecoderPipe")
+        module.to(device)
+        engine, _, _, _ = deepspeed.initialize(
+            model=module, optimizer=adamw(module.parameters(), cfg),
+            config=_ds_config(cfg, micro, accum, ds_zero, dp))
+        dp_rank = engine.grid.get_data_parallel_rank()
+
+        for s in range(steps):
+            batches = [(x.to(device), y.to(device))
+                       for x, y in rank_micro_batches(*data(s), dp, dp_rank, micro)]
+            dt, loss = timed(lambda: engine.train_batch(iter(batches)), device)
+            run.times.append(dt)
+            run.losses.append(float(loss))
+        engine.destroy()
+    run.peak = mem.peak
+    return run
+
+
+# -- torch -----------------------------------------------------------------------------------
+
+def run_torch_pipelining(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
+    """``torch.distributed.pipelining``'s Schedule1F1B over the stages our planner cuts
+    (same layers per stage), AdamW on each stage, clipping by the norm over all stages."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from parallel3d.models.llama.parallelize import cut_pipeline_stages
+    from parallel3d.topology import Topology
+
+    cfg = job(layout, steps, **job_kw)
+    pp, rank = dist.get_world_size(), dist.get_rank()
+    n_micro = cfg.train.global_batch // cfg.train.micro_batch
+    data = GlobalBatches(cfg)
+    device = _device()
+    run = Run()
+    with PeakMemory(device, tensors=memory_run) as mem:
+        (chunk,) = cut_pipeline_stages(initial_model(cfg), Topology(1, pp, 1), cfg.parallel)
+        chunk.to(device)
+        stage = PipelineStage(chunk, rank, pp, device)
+        schedule = Schedule1F1B(stage, n_micro, loss_fn=cross_entropy_loss)  # grads scaled by 1/n_micro
+        params = [p for p in chunk.parameters()]
+        opt = adamw(params, cfg)
+
+        def step(s: int) -> torch.Tensor:
+            x, y = data(s)
+            for p in params:
+                p.grad = None
+            losses: list[torch.Tensor] = []
+            if rank == 0:
+                schedule.step(x.to(device))
+            elif rank == pp - 1:
+                schedule.step(target=y.to(device), losses=losses)
+            else:
+                schedule.step()
+            clip_global_norm(params, cfg.train.grad_clip, group=dist.group.WORLD)
+            opt.step()
+            loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+            dist.broadcast(loss, src=pp - 1)  # the loss lives on the last stage
+            return loss
+
+        for s in range(steps):
+            dt, loss = timed(lambda: step(s), device)
+            run.times.append(dt)
+            run.losses.append(float(loss))
+    run.peak = mem.peak
+    return run
+
+
+def run_dtensor_tp(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
+    """torch's DTensor tensor parallelism (``parallelize_module`` with Colwise/Rowwise,
+    vocab-parallel loss), tp = world size, gradient accumulation over the micro-batches."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from bench_tensor_parallel import _dtensor_model
+
+    cfg = job(layout, steps, **job_kw)
+    micro = cfg.train.micro_batch
+    n_micro = cfg.train.global_batch // micro
+    data = GlobalBatches(cfg)
+    device = _device()
+    run = Run()
+    with PeakMemory(device, tensors=memory_run) as mem:
+        model = _dtensor_model(initial_model(cfg).to(device), sequence_parallel=False)
+        params = list(model.parameters())
+        dparams = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        # foreach kernels do not mix DTensors and plain tensors: one AdamW for each kind
+        opts = [adamw(dparams, cfg), adamw(plain, cfg)]
+
+        @torch.no_grad()
+        def clip() -> None:
+            sharded = torch.zeros((), device=device)
+            replicated = torch.zeros((), device=device)
+            for p in dparams:
+                sq = p.grad.to_local().float().pow(2).sum()
+                if any(isinstance(pl, Shard) for pl in p.grad.placements):
+                    sharded += sq
+                else:
+                    replicated += sq
+            for p in plain:
+                replicated += p.grad.float().pow(2).sum()
+            dist.all_reduce(sharded)
+            norm = (sharded + replicated).sqrt()
+            coef = float(torch.clamp(cfg.train.grad_clip / (norm + 1e-6), max=1.0))
+            for p in params:
+                p.grad.mul_(coef)
+
+        def step(s: int) -> torch.Tensor:
+            model.zero_grad(set_to_none=True)
+            total = torch.zeros((), device=device)
+            x, y = data(s)
+            with loss_parallel():
+                for i in range(0, x.shape[0], micro):
+                    xb, yb = x[i:i + micro].to(device), y[i:i + micro].to(device)
+                    loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten()) / n_micro
+                    loss.backward()
+                    total += loss.detach().full_tensor()
+            clip()
+            for opt in opts:
+                opt.step()
+            return total
+
+        for s in range(steps):
+            dt, loss = timed(lambda: step(s), device)
+            run.times.append(dt)
+            run.losses.append(float(loss))
+    run.peak = mem.peak
+    return run

@@ -1,0 +1,216 @@
+"""The on-disk format of a tokenized dataset: flat token shards plus ``index.json``.
+
+A prepared dataset is a directory::
+
+    index.json              written last: its presence means the dataset is complete
+    train-00000.bin ...     the training split, flat little-endian uint16 or uint32 ids
+    val-00000.bin ...       the held-out validation split (may be absent)
+    tokenizer/              a copy of the tokenizer that made the ids
+
+Each split is one token stream cut into shards of at most ``shard_tokens`` ids: the
+documents, each followed by the EOS id, back to back. Shards are cut wherever the count
+falls, even inside a document, so the shard size is a storage detail: readers see the
+concatenation (:class:`TokenStream`), and a training window may span two shards.
+
+``index.json`` records, per shard, its token count, byte size and sha256; opening a
+dataset checks every size (a truncated copy fails at once), :func:`verify_checksums`
+checks the hashes. :attr:`PreparedDataset.fingerprint` (derived from the hashes) names
+the content, so a sampler can refuse to resume on different data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from parallel3d.errors import UserError
+
+FORMAT = "parallel3d-tokens"
+VERSION = 1
+INDEX = "index.json"
+SPLITS = ("train", "val")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype that holds ids ``0 .. vocab_size - 1``."""
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def atomic_write_bytes(path: Path, data) -> None:
+    """Write under a temporary name unique across hosts, then rename: readers (and other
+    processes writing the same file) see either nothing or the whole file."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+class ShardWriter:
+    """Appends token arrays to one split and cuts them into shards of ``shard_tokens``."""
+
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+        self.out_dir, self.split, self.dtype = out_dir, split, np.dtype(dtype)
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict] = []
+        self.num_docs = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+
+    def add(self, tokens: np.ndarray, num_docs: int) -> None:
+        if len(tokens):
+            self._pending.append(np.asarray(tokens, dtype=self.dtype))
+            self._pending_tokens += len(tokens)
+        self.num_docs += num_docs
+        while self._pending_tokens >= self.shard_tokens:
+            self._flush(self.shard_tokens)
+
+    def _flush(self, n: int) -> None:
+        flat = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        shard, rest = flat[:n], flat[n:]
+        self._pending = [rest] if len(rest) else []
+        self._pending_tokens = len(rest)
+        name = f"{self.split}-{len(self.shards):05d}.bin"
+        data = shard.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
+        atomic_write_bytes(self.out_dir / name, data)
+        self.shards.append({"file": name, "num_tokens": int(n), "bytes": len(data),
+                            "sha256": hashlib.sha256(data).hexdigest()})
+
+    def close(self) -> dict:
+        """Write the last partial shard; returns this split's entry of the index."""
+        if self._pending_tokens:
+            self._flush(self._pending_tokens)
+        return {"num_tokens": sum(s["num_tokens"] for s in self.shards),
+                "num_docs": self.num_docs, "shards": self.shards}
+
+
+def write_index(out_dir: Path, *, dtype: np.dtype, eos_id: int, vocab_size: int,
+                tokenizer_sha256: str, splits: dict[str, dict], source: dict) -> dict:
+    index = {"format": FORMAT, "version": VERSION, "dtype": np.dtype(dtype).name,
+             "eos_id": int(eos_id), "vocab_size": int(vocab_size),
+             "tokenizer": {"dir": "tokenizer", "sha256": tokenizer_sha256},
+             "splits": splits, "source": source}
+    atomic_write_bytes(out_dir / INDEX, json.dumps(index, indent=1).encode())
+    return index
+
+
+class TokenStream:
+    """The shards of one split read as one array of ``len(self)`` token ids.
+
+    ``stream[a:b]`` returns ids ``a .. b-1`` as a NumPy array, reading across shard
+    boundaries; shards are memory-mapped, so only the pages touched are read.
+    """
+
+    def __init__(self, shards: list[np.ndarray]):
+        self.shards = [s for s in shards if len(s)]
+        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])  # shard k: [o_k, o_k+1)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("TokenStream supports contiguous slices only")
+        start, stop, _ = key.indices(len(self))
+        if stop <= start:
+            return np.empty(0, dtype=self.shards[0].dtype if self.shards else np.uint16)
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        parts, pos, k = [], start, first
+        while pos < stop:
+            lo = pos - self.offsets[k]
+            hi = min(stop, self.offsets[k + 1]) - self.offsets[k]
+            parts.append(self.shards[k][lo:hi])
+            pos = int(self.offsets[k]) + hi
+            k += 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+@dataclass(frozen=True)
+class PreparedDataset:
+    """An opened dataset directory (see the module docstring)."""
+
+    dir: Path
+    index: dict
+
+    @property
+    def eos_id(self) -> int:
+        return self.index["eos_id"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.index["vocab_size"]
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(self.index["dtype"]).newbyteorder("<")  # shards are little-endian
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of the content (dtype, EOS, every shard's sha256, per split)."""
+        ident = {"dtype": self.index["dtype"], "eos_id": self.eos_id,
+                 "splits": {k: [s["sha256"] for s in v["shards"]]
+                            for k, v in sorted(self.index["splits"].items())}}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+    def num_tokens(self, split: str) -> int:
+        entry = self.index["splits"].get(split)
+        return entry["num_tokens"] if entry else 0
+
+    def split(self, name: str) -> TokenStream:
+        """The token stream of ``name`` ("train" or "val"); empty if the split is absent."""
+        entry = self.index["splits"].get(name, {"shards": []})
+        maps = [np.memmap(self.dir / s["file"], dtype=self.dtype, mode="r", shape=(s["num_tokens"],))
+                for s in entry["shards"] if s["num_tokens"]]
+        return TokenStream(maps)
+
+
+def open_dataset(path: str | Path) -> PreparedDataset:
+    """Open a prepared dataset, checking its index and every shard's size."""
+    d = Path(path)
+    index_path = d / INDEX
+    if not index_path.is_file():
+        what = "does not exist" if not d.exists() else f"has no {INDEX}"
+        raise UserError(f"dataset '{d}' {what}: make one with `parallel3d prepare-data INPUTS "
+                        f"--tokenizer DIR --out {d}`")
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"dataset index '{index_path}' cannot be read: {e}") from None
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise UserError(f"'{index_path}' is not a {FORMAT} v{VERSION} index (format "
+                        f"{index.get('format')!r}, version {index.get('version')!r}): prepare the data again")
+    itemsize = np.dtype(index["dtype"]).itemsize
+    for name, entry in index["splits"].items():
+        for shard in entry["shards"]:
+            f = d / shard["file"]
+            size = f.stat().st_size if f.is_file() else None
+            want = shard["num_tokens"] * itemsize
+            if size != want:
+                got = "missing" if size is None else f"{size} bytes"
+                raise UserError(f"shard '{f}' is {got}, the index says {want} bytes: the dataset "
+                                "is truncated or was changed; prepare it again")
+    return PreparedDataset(d, index)
+
+
+def verify_checksums(ds: PreparedDataset) -> None:
+    """Re-hash every shard against the index (reads the whole dataset)."""
+    for entry in ds.index["splits"].values():
+        for shard in entry["shards"]:
+            h = hashlib.sha256()
+            with open(ds.dir / shard["file"], "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    h.update(block)
+            if h.hexdigest() != shard["sha256"]:
+                raise UserError(f"shard '{ds.dir / shard['file']}' does not match its sha256 "
+                                "in the index: the dataset was changed; prepare it again")

@@ -1,0 +1,115 @@
+"""Background prefetch: the next steps' batches are built while this step computes.
+
+:class:`PrefetchLoader` asks the sampler for the indices of the steps ahead, reads their
+token windows (memory-mapped shards) into tensors, pins them when the device is CUDA, and
+queues up to ``depth`` steps in a daemon thread. ``next()`` hands the trainer one step's
+micro-batches on the device together with the seconds it blocked for them (the step's
+``data_wait_s``: zero when the data was ready in time). ``depth=0`` builds each step's
+batch in ``next()`` instead; then the wait is the whole time spent building it.
+
+What the trainer has consumed, not what the thread has read ahead, is the sampler's
+position: ``state_dict()`` resumes at the first step the trainer has not been given.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+
+import torch
+
+from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
+
+_DONE = object()
+
+
+def _build_step(windows: TokenWindows, sampler: GlobalBatchSampler, position: int, pin: bool):
+    out = []
+    for idx in sampler.indices_at(position):
+        x, y = windows.batch(idx)
+        if pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        out.append((x, y))
+    return out
+
+
+def _produce(windows, sampler, start: int, pin: bool, q: queue.Queue, stop: threading.Event):
+    # A plain function (not a method) so that the thread holds no reference to the loader:
+    # a loader nobody closes is still collected, and its finalizer stops this thread.
+    position = start
+    try:
+        while not stop.is_set():
+            item = (position, _build_step(windows, sampler, position, pin))
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.2)
+                    break
+                except queue.Full:
+                    continue
+            position += sampler.global_batch
+    except BaseException as e:  # noqa: BLE001 - handed to the trainer's thread
+        while not stop.is_set():
+            try:
+                q.put((_DONE, e), timeout=0.2)
+                break
+            except queue.Full:
+                continue
+
+
+def _stop_thread(thread: threading.Thread | None, stop: threading.Event) -> None:
+    stop.set()
+    if thread is not None:
+        thread.join(timeout=5)
+
+
+class PrefetchLoader:
+    def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler,
+                 device: torch.device, depth: int = 2):
+        self.windows, self.sampler, self.device, self.depth = windows, sampler, device, depth
+        self._pin = device.type == "cuda"
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._finalizer = None
+
+    def _start(self) -> None:
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
+        self._thread = threading.Thread(
+            target=_produce, name="p3d-prefetch", daemon=True,
+            args=(self.windows, self.sampler, self.sampler.consumed, self._pin, self._queue, self._stop))
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_thread, self._thread, self._stop)
+
+    def next(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
+        """This rank's micro-batches of the next step, on the device, and the seconds
+        this call waited for them."""
+        t0 = time.perf_counter()
+        if self.depth <= 0:
+            batches = _build_step(self.windows, self.sampler, self.sampler.consumed, self._pin)
+        else:
+            if self._thread is None:
+                self._start()
+            position, batches = self._queue.get()
+            if position is _DONE:
+                self.close()
+                raise batches
+            assert position == self.sampler.consumed, (position, self.sampler.consumed)
+        self.sampler.consumed += self.sampler.global_batch
+        wait = time.perf_counter() - t0
+        on_device = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                     for x, y in batches]
+        return on_device, wait
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()  # what was read ahead belongs to the old position
+        self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # stops and joins the thread, once
+        self._thread, self._finalizer = None, None

@@ -1,0 +1,113 @@
+"""The embedded default corpus: this machine's Python standard library, prepared.
+
+The ``.py`` sources of the running Python's standard library (real text that every
+machine has) are read in sorted path order up to ``data.max_bytes``, one file per
+document. A byte-level BPE of ``data.vocab_size`` is trained on them with Hugging Face
+``tokenizers`` and saved as a tokenizer folder, and the documents go through the same
+pipeline as ``prepare-data`` (:func:`~parallel3d.data.prepare.tokenize_to_shards`), so
+the result is an ordinary prepared dataset that training reads like any other.
+
+The dataset is cached under ``data.cache_dir`` keyed by everything that determines it.
+It is built in a temporary directory and renamed into place, so processes (or nodes on a
+shared file system) that build it at once never see half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from pathlib import Path
+
+from parallel3d.config import DataConfig
+from parallel3d.data.format import INDEX, PreparedDataset, open_dataset, token_dtype, write_index
+from parallel3d.errors import UserError
+
+EOS = "<|eos|>"
+FORMAT_KEY = 2  # bump when the corpus or its tokenization changes
+
+
+def stdlib_files() -> list[Path]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts)
+
+
+def read_stdlib(max_bytes: int) -> list[str]:
+    docs, total = [], 0
+    for path in stdlib_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        docs.append(text)
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            break
+    return docs
+
+
+def train_bpe_tokenizer(docs: list[str], vocab_size: int, out_dir: Path, eos: str = EOS,
+                        other_special: tuple[str, ...] = ()) -> Path:
+    """Train a byte-level BPE on ``docs`` and save it as a Hugging Face tokenizer folder
+    (``tokenizer.json`` + ``tokenizer_config.json`` naming ``eos``). Special tokens take
+    the first ids: ``other_special`` in order, then ``eos``."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(docs, vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=[*other_special, eos], show_progress=False)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    config = {"eos_token": eos, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return out_dir
+
+
+def stdlib_corpus_key(cfg: DataConfig) -> str:
+    ident = {"python": sys.version, "stdlib": sysconfig.get_paths()["stdlib"],
+             "max_bytes": cfg.max_bytes, "vocab_size": cfg.vocab_size,
+             "val_fraction": cfg.val_fraction, "format": FORMAT_KEY}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    return Path(cfg.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "parallel3d"))
+
+
+def prepare_stdlib(cfg: DataConfig) -> PreparedDataset:
+    """Build (or find in the cache) the stdlib dataset for ``cfg``."""
+    from parallel3d.data.prepare import (Progress, check_options, load_tokenizer,
+                                         tokenize_to_shards)
+
+    if cfg.source != "stdlib":
+        raise UserError(f"data.source '{cfg.source}' is not supported: use 'stdlib', or set "
+                        "data.path to a dataset made by `parallel3d prepare-data`")
+    if cfg.vocab_size < 257:
+        raise UserError(f"data.vocab_size {cfg.vocab_size} is too small for a byte-level BPE "
+                        "(needs at least 257: 256 bytes plus EOS)")
+    check_options(cfg.val_fraction, 1, 1)
+    root = cache_root(cfg)
+    out = root / f"stdlib-{stdlib_corpus_key(cfg)}"
+    if (out / INDEX).is_file():
+        return open_dataset(out)
+    tmp = root / f".stdlib-{stdlib_corpus_key(cfg)}.tmp-{uuid.uuid4().hex}"
+    try:
+        docs = read_stdlib(cfg.max_bytes)
+        spec = load_tokenizer(train_bpe_tokenizer(docs, cfg.vocab_size, tmp / "tokenizer"))
+        chunks = (("texts", docs[i: i + 64], 0) for i in range(0, len(docs), 64))
+        splits, _, tokens, _ = tokenize_to_shards(
+            chunks, spec, tmp, val_fraction=cfg.val_fraction, shard_tokens=1 << 30, workers=0,
+            progress=Progress(0, enabled=False))
+        write_index(tmp, dtype=token_dtype(spec.vocab_size), eos_id=spec.eos_id,
+                    vocab_size=spec.vocab_size, tokenizer_sha256=spec.sha256, splits=splits,
+                    source={"stdlib": sysconfig.get_paths()["stdlib"], "max_bytes": cfg.max_bytes,
+                            "val_fraction": cfg.val_fraction})
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not (out / INDEX).is_file():  # not "another process finished first"
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return open_dataset(out)

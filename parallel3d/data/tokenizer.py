@@ -1,0 +1,72 @@
+"""A Hugging Face tokenizer folder, as ``prepare-data`` uses it.
+
+The folder holds ``tokenizer.json`` (read with the ``tokenizers`` library; nothing from
+the folder is executed) and names its EOS token in ``tokenizer_config.json`` or
+``special_tokens_map.json``, unless the caller names it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from parallel3d.errors import UserError
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What workers need to rebuild the tokenizer, and what the index records of it."""
+
+    dir: Path
+    json_path: Path
+    eos_token: str
+    eos_id: int
+    vocab_size: int  # one past the largest id
+    sha256: str
+
+
+def _special_token(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "</s>", "lstrip": false, ...}
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def load_tokenizer(path: str | Path, eos_token: str | None = None) -> TokenizerSpec:
+    """Read a Hugging Face tokenizer folder (``tokenizer.json``; the EOS token from
+    ``tokenizer_config.json`` or ``special_tokens_map.json`` unless ``eos_token`` is given)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    d = path.parent if path.is_file() else path
+    json_path = path if path.is_file() else path / "tokenizer.json"
+    if not d.is_dir():
+        raise UserError(f"tokenizer '{path}' not found: give a Hugging Face tokenizer folder")
+    if not json_path.is_file():
+        raise UserError(f"tokenizer folder '{d}' has no tokenizer.json (the fast-tokenizer file): "
+                        "save one with transformers' AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)")
+    try:
+        tok = Tokenizer.from_file(str(json_path))
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
+        raise UserError(f"tokenizer '{json_path}' cannot be read: {str(e).splitlines()[0]}") from None
+    if eos_token is None:
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            f = d / name
+            if f.is_file():
+                try:
+                    eos_token = _special_token(json.loads(f.read_text()).get("eos_token"))
+                except (json.JSONDecodeError, AttributeError):
+                    raise UserError(f"'{f}' is not a JSON object") from None
+                if eos_token:
+                    break
+    if not eos_token:
+        raise UserError(f"no EOS token: neither tokenizer_config.json nor special_tokens_map.json in "
+                        f"'{d}' names an eos_token; pass --eos-token TOKEN")
+    eos_id = tok.token_to_id(eos_token)
+    if eos_id is None:
+        raise UserError(f"EOS token {eos_token!r} is not in the vocabulary of '{json_path}': "
+                        "pass the right --eos-token")
+    vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
+    sha = hashlib.sha256(json_path.read_bytes()).hexdigest()
+    return TokenizerSpec(d, json_path, eos_token, eos_id, vocab_size, sha)

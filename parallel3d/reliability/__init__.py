@@ -1,0 +1,13 @@
+"""Reliability: no silent hangs, no silent bad numbers.
+
+* :mod:`.watch` -- what this rank is doing (step, operation, group), a heartbeat of it
+  in the rendezvous store, and the report a surviving rank prints when a collective
+  times out or a peer dies.
+* :mod:`.numerics` -- the non-finite step guard (skip or stop) and the loss-spike log.
+"""
+
+from .numerics import LossSpikeDetector, TrainingStopped, nonfinite_reason
+from .watch import CommFailure, CommWatch, comm_failures_reported, is_comm_error
+
+__all__ = ["CommWatch", "CommFailure", "LossSpikeDetector", "TrainingStopped",
+           "comm_failures_reported", "is_comm_error", "nonfinite_reason"]

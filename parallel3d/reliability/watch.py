@@ -1,0 +1,235 @@
+"""Where each rank is, and who is missing when a collective fails.
+
+Every rank keeps a :class:`CommWatch`: the step and the operation it is in (a string set
+by the trainer and the pipeline schedule before each communication phase -- an attribute
+store, nothing on the wire) and the group that operation runs on. A daemon thread writes
+that record, with the time, host and pid, to the rendezvous store every
+``reliability.heartbeat_s`` seconds (key ``p3d/heartbeat/<rank>``).
+
+A collective that outlives ``reliability.comm_timeout_s`` (the process groups' timeout),
+or a peer that dies (gloo sees its sockets close), raises on the surviving ranks. The
+worker catches that and prints :meth:`CommWatch.report`: the operation, the group and
+its members, the rank(s) of that group that did not arrive -- a process gone (same
+host), a heartbeat gone silent, or a heartbeat at another step or operation -- and every
+rank's last heartbeat ("who was where"). Then the worker exits without touching the
+broken process group, so every survivor is gone within the timeout plus a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+_KEY = "p3d/heartbeat/{}"
+_COMM_ERROR_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection closed",
+                     "connection reset", "broken pipe", "peer", "socket")
+
+
+class CommFailure(RuntimeError):
+    """A collective or point-to-point operation failed; the message is the full report."""
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """A failure of the communication layer, as opposed to a bug in our own code."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(w in text for w in _COMM_ERROR_WORDS)
+
+
+@contextmanager
+def comm_failures_reported(watch: "CommWatch", passthrough: tuple = ()):
+    """Turn a communication error raised inside into :class:`CommFailure` carrying
+    ``watch.report``; other exceptions (and ``passthrough`` types) go through as they are."""
+    try:
+        yield
+    except passthrough:
+        raise
+    except Exception as e:
+        if dist.is_initialized() and is_comm_error(e):
+            raise CommFailure(watch.report(e)) from e
+        raise
+
+
+def _own_client(store):
+    """A connection of our own to the rendezvous TCPStore (torch's client is shared with
+    the process group's own use and not meant for a second thread); other stores as is."""
+    from datetime import timedelta
+
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if isinstance(base, dist.TCPStore):
+        return dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
+                             timeout=timedelta(seconds=30))
+    return store
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:  # a killed child its parent has not reaped yet is a zombie: gone all the same
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+class CommWatch:
+    """This rank's current step and operation, and its heartbeat in the store."""
+
+    def __init__(self, topo, timeout_s: float, heartbeat_s: float = 5.0, store=None):
+        self.topo, self.timeout_s, self.heartbeat_s = topo, timeout_s, heartbeat_s
+        self.store = store
+        self.step, self.op, self.axis = 0, "start-up", "world"
+        self._compute = (self.op, self.axis)
+        self.since = time.monotonic()
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self._stop = threading.Event()
+        self._thread = None
+
+    @classmethod
+    def for_process_group(cls, topo, timeout_s: float, heartbeat_s: float) -> "CommWatch":
+        store = None
+        if dist.is_initialized() and topo.world_size > 1:
+            store = _own_client(dist.distributed_c10d._get_default_store())
+        watch = cls(topo, timeout_s, heartbeat_s, store)
+        watch.start()
+        return watch
+
+    # -- the hot path: two attribute stores -----------------------------------------------
+    def enter(self, op: str, axis: str) -> None:
+        """Record that the next communication is ``op`` on this rank's ``axis`` group
+        ("tp", "pp", "dp", "mp" or "world")."""
+        self.op, self.axis, self.since = op, axis, time.monotonic()
+
+    def compute(self, op: str, axis: str) -> None:
+        """Enter the phase that :meth:`resume` returns to after a nested operation."""
+        self._compute = (op, axis)
+        self.op, self.axis, self.since = op, axis, time.monotonic()
+
+    def resume(self) -> None:
+        (self.op, self.axis), self.since = self._compute, time.monotonic()
+
+    # -- heartbeat ----------------------------------------------------------------------
+    def beat(self) -> dict:
+        return {"rank": self.topo.rank, "step": self.step, "op": self.op, "group": self.axis,
+                "time": time.time(), "host": self.host, "pid": self.pid}
+
+    def _publish(self) -> None:
+        self.store.set(_KEY.format(self.topo.rank), json.dumps(self.beat()))
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+                return
+            if self._stop.wait(self.heartbeat_s):
+                return
+
+    def start(self) -> None:
+        if self.store is not None and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="p3d-heartbeat", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop the heartbeat; waits for a write in flight (a daemon thread inside the
+        store's C++ client when the interpreter or the process group shuts down aborts)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def heartbeats(self) -> dict[int, dict]:
+        """Every rank's last heartbeat that the store still holds."""
+        out: dict[int, dict] = {}
+        if self.store is None:
+            return out
+        for rank in range(self.topo.world_size):
+            key = _KEY.format(rank)
+            try:
+                if self.store.check([key]):
+                    out[rank] = json.loads(self.store.get(key))
+            except Exception:  # noqa: BLE001 - store host died with its rank: report the rest
+                break
+        return out
+
+    # -- the report -----------------------------------------------------------------------
+    def group_ranks(self, axis: str) -> list[int]:
+        if axis == "world":
+            return list(range(self.topo.world_size))
+        return list(getattr(self.topo, f"{axis}_ranks"))
+
+    def describe_group(self, axis: str) -> str:
+        return f"{axis} group {self.group_ranks(axis)}"
+
+    def _lost(self, beats: dict[int, dict], now: float) -> dict[int, str]:
+        """Ranks that are surely gone: process gone (same host) or heartbeat silent."""
+        out = {}
+        for r in range(self.topo.world_size):
+            hb = beats.get(r)
+            if r == self.topo.rank or hb is None:
+                continue
+            if hb["host"] == self.host and _process_gone(hb["pid"]):
+                out[r] = f"process {hb['pid']} is gone"
+            elif now - hb["time"] > 2.5 * self.heartbeat_s:
+                out[r] = f"heartbeat silent for {now - hb['time']:.0f} s"
+        return out
+
+    def _elsewhere(self, beats: dict[int, dict], ranks: list[int]) -> dict[int, str]:
+        """Ranks of ``ranks`` alive but not at this rank's step and operation."""
+        out = {}
+        for r in ranks:
+            hb = beats.get(r)
+            if r == self.topo.rank:
+                continue
+            if hb is None:
+                out[r] = "no heartbeat"
+            elif (hb["step"], hb["op"]) != (self.step, self.op):
+                out[r] = f"at step {hb['step']} in {hb['op']}"
+        return out
+
+    def report(self, exc: BaseException, settle_s: float | None = None) -> str:
+        """The message for a failed operation: what, on which group, who did not arrive,
+        and who was where. A peer that just died may still look alive for a moment (its
+        sockets close before its process is gone): wait up to ``settle_s`` (default 2.5
+        heartbeats + 1 s, at most 15 s) for a lost rank to show before naming a rank
+        that is merely somewhere else."""
+        waited = time.monotonic() - self.since
+        # The heartbeat goes on while this rank reports, or the peers reporting at the
+        # same time would take its silence for a death.
+        if self.store is not None:
+            try:
+                self._publish()
+            except Exception:  # noqa: BLE001
+                pass
+        settle_s = min(15.0, 2.5 * self.heartbeat_s + 1) if settle_s is None else settle_s
+        deadline = time.monotonic() + settle_s
+        while True:
+            beats = self.heartbeats()
+            missing = self._lost(beats, time.time())
+            if missing or self.store is None or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        ranks = self.group_ranks(self.axis)
+        if missing:
+            who = "; ".join(f"rank {r} lost ({why})" for r, why in sorted(missing.items()))
+        else:
+            elsewhere = self._elsewhere(beats, ranks)
+            who = "; ".join(f"rank {r} {why}" for r, why in sorted(elsewhere.items())) or "not known"
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = ", ".join(f"{r}: step {hb['step']} {hb['op']}" for r, hb in sorted(beats.items()))
+        return (f"rank {self.topo.rank}: {self.op} on the {self.describe_group(self.axis)} "
+                f"failed at step {self.step} after {waited:.0f} s in it "
+                f"(reliability.comm_timeout_s {self.timeout_s:g}): {cause} | did not arrive: "
+                f"{who} | who was where: {where or 'no heartbeats'}")
