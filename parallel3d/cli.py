@@ -3,6 +3,7 @@
     parallel3d train [RECIPE] [--dry-run] [--section.key=value ...]
     parallel3d report RUN_DIR
     parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N --gpus-per-node G --gpu GPU ...
+    parallel3d convert SRC DST --to {hf,parallel3d} [--config CONFIG.json] [--dtype D]
     parallel3d prepare-data INPUTS... --tokenizer DIR --out DIR [options]
 
 With no recipe, ``train`` runs the embedded ``recipes/debug_cpu.toml``. Errors the user
@@ -55,6 +56,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     corpus = prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
     check_vocab(corpus.vocab_size, resolve_model_config(cfg.model))
     return launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from parallel3d.checkpoint.convert import convert
+
+    max_bytes = int(float(args.max_shard_gb) * 2**30)
+    if max_bytes <= 0:
+        raise UserError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    convert(args.src, args.dst, args.to, config=args.config, dtype=args.dtype,
+            verify=not args.no_verify, max_shard_bytes=max_bytes)
+    return 0
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -125,6 +137,19 @@ def build_parser() -> argparse.ArgumentParser:
     from parallel3d.planner.cli import add_plan_parser
 
     add_plan_parser(sub)
+    conv = sub.add_parser(
+        "convert", help="convert a checkpoint (Hugging Face, parallel3d, DeepSpeed) to hf or parallel3d",
+        description="Streams tensor by tensor (memory: about the largest tensor), then reads "
+                    "everything back and compares it with the source.")
+    conv.add_argument("src", help="Hugging Face folder, parallel3d checkpoint or DeepSpeed checkpoint")
+    conv.add_argument("dst", help="output folder")
+    conv.add_argument("--to", required=True, choices=["hf", "parallel3d"])
+    conv.add_argument("--config", help="Hugging Face config.json for a DeepSpeed source "
+                                       "(default: config.json beside or above it)")
+    conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                      help="cast the weights (default: keep the source's dtype)")
+    conv.add_argument("--max-shard-gb", default="5", help="largest output file, GiB (default 5)")
+    conv.add_argument("--no-verify", action="store_true", help="skip reading the output back")
     _add_prepare_data(sub)
     return parser
 
@@ -153,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             if rest:
                 raise UserError(f"unexpected argument(s) for prepare-data: {' '.join(rest)}")
             return _prepare_data(args)
+        if args.command == "convert":
+            if rest:
+                raise UserError(f"unexpected argument(s) for convert: {' '.join(rest)}")
+            return _convert(args)
     except UserError as e:
         print(f"parallel3d: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE

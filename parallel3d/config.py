@@ -44,6 +44,9 @@ class ModelConfig:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
     init_std: float | None = None
+    # A Hugging Face model folder (config.json + safetensors): the model's shape comes from
+    # its config.json and its weights initialize the model at any layout (fine-tuning).
+    hf_checkpoint: str = ""
 
 
 @dataclass
@@ -128,6 +131,19 @@ class RunConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Sharded checkpoints: see parallel3d/checkpoint/ (format, atomic saves, resharding)."""
+
+    interval: int = 0  # save every N optimizer steps and at the last one; 0: never
+    dir: str = ""  # "": RUN_DIR/checkpoints
+    keep: int = 3  # complete checkpoints kept, newest first; 0: all
+    resume: str = "auto"  # auto: the latest checkpoint in dir, if any; never; or a checkpoint path
+    async_save: bool = False  # copy to host memory, write in a background thread
+    verify: bool = True  # check each file's sha256 when loading (sizes are always checked)
+    export_hf: str = ""  # at the end, write a Hugging Face folder here (relative: under RUN_DIR)
+
+
+@dataclass
 class ObservabilityConfig:
     progress: str = "auto"  # rank 0's live progress bar: auto (when stdout is a terminal), on, off
     straggler_factor: float = 1.2  # warn about a rank busier than this times the median rank
@@ -160,6 +176,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
 

@@ -40,8 +40,43 @@ def test_hf_config_round_trip_and_refusals():
     assert config_from_hf(config_to_hf(cfg)) == cfg
     with pytest.raises(ValueError, match="unsupported Hugging Face architecture"):
         config_from_hf({**config_to_hf(cfg), "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="rope_scaling"):
-        config_from_hf({**config_to_hf(cfg), "rope_scaling": {"rope_type": "llama3"}})
+    with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
+        config_from_hf({**config_to_hf(cfg), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="attention_bias"):
+        config_from_hf({**config_to_hf(cfg), "attention_bias": True})
+
+
+def _logits_diff(ours: Llama, hf, vocab: int) -> float:
+    tokens = torch.randint(0, vocab, (2, 41))
+    with torch.no_grad():
+        return (ours(tokens) - hf(tokens).logits).abs().max().item()
+
+
+def test_llama3_rope_scaling_and_qwen2_biases_equal_transformers():
+    """Configs as transformers 5 writes them (rope_parameters) read into models whose
+    logits equal transformers' on the same weights."""
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    small = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2)
+    for hf_cls, cfg_cls, extra in [
+            (transformers.LlamaForCausalLM, transformers.LlamaConfig,
+             {"rope_parameters": {"rope_theta": 5000.0, **scaling}}),
+            (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {})]:
+        hf_cfg = cfg_cls(**small, **extra)
+        hf_cfg._attn_implementation = "sdpa"
+        hf = hf_cls(hf_cfg).eval()
+        for name, p in hf.named_parameters():  # non-zero biases, so they are exercised
+            if name.endswith(".bias"):
+                torch.nn.init.normal_(p)
+        cfg = config_from_hf(hf_cfg.to_dict())
+        assert cfg.qkv_bias == (hf_cls is transformers.Qwen2ForCausalLM)
+        assert dict(cfg.rope_scaling).get("rope_type") == ("llama3" if cfg_cls is transformers.LlamaConfig else None)
+        ours = Llama(cfg).eval()
+        ours.load_state_dict({k[len("model."):] if k.startswith("model.") else k: v
+                              for k, v in hf.state_dict().items()}, strict=True)
+        assert _logits_diff(ours, hf, cfg.vocab_size) < 1e-5  # fp32, same ops (see above)
 
 
 @pytest.mark.parametrize("preset,billions", [("1b", 1.24), ("8b", 8.03), ("70b", 70.6)])

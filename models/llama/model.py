@@ -41,6 +41,11 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     max_seq_len: int = 8192
+    # q/k/v projections with a bias (Qwen2); o_proj and the MLP never have one.
+    qkv_bias: bool = False
+    # Rotary frequency scaling as sorted (key, value) pairs of Hugging Face's
+    # rope_scaling, e.g. (("factor", 8.0), ..., ("rope_type", "llama3")); () for none.
+    rope_scaling: tuple = ()
 
     @property
     def head_dim(self) -> int:
@@ -54,10 +59,16 @@ class LlamaConfig:
                 f"model.n_heads {self.n_heads} is not divisible by model.n_kv_heads {self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head dim {self.head_dim} must be even for rotary embeddings")
+        kind = dict(self.rope_scaling).get("rope_type", "default")
+        if kind not in ROPE_SCALINGS:
+            raise ValueError(f"rope scaling '{kind}' is not supported: parallel3d implements "
+                             f"{sorted(ROPE_SCALINGS)}")
 
     def num_params(self, include_embedding: bool = True) -> int:
         hd = self.head_dim
         attn = self.dim * (self.n_heads * hd) * 2 + self.dim * (self.n_kv_heads * hd) * 2
+        if self.qkv_bias:
+            attn += (self.n_heads + 2 * self.n_kv_heads) * hd
         mlp = 3 * self.dim * self.ffn_dim
         per_layer = attn + mlp + 2 * self.dim
         emb = self.vocab_size * self.dim
@@ -103,9 +114,39 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+ROPE_SCALINGS = ("default", "linear", "llama3")
+
+
+def scale_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Rotary frequencies under a context-extension scheme (``rope_type`` of Hugging Face's
+    ``rope_scaling``):
+
+    * ``linear``: every frequency divided by ``factor`` (positions compressed).
+    * ``llama3``: wavelengths ``2 pi / f`` longer than ``L / low_freq_factor`` are divided by
+      ``factor``, those shorter than ``L / high_freq_factor`` kept, and those between
+      interpolated with ``s = (L / wavelength - low) / (high - low)``:
+      ``f' = (1 - s) f / factor + s f`` (``L`` = ``original_max_position_embeddings``).
+    """
+    kind = scaling.get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    context = float(scaling["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (context / wavelength - low) / (high - low)
+    scaled = torch.where(wavelength > context / low, inv_freq / factor, inv_freq)
+    between = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
+                scaling: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables, each (seq_len, head_dim), in fp32."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    inv_freq = scale_rope_frequencies(inv_freq, dict(scaling))
     t = torch.arange(seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (S, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (S, hd): the "rotate half" layout
@@ -124,9 +165,9 @@ class Attention(nn.Module):
         super().__init__()
         hd = cfg.head_dim
         self.head_dim = hd
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -194,12 +235,14 @@ class Llama(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for matrices and embeddings (output projections scaled by
-        1/sqrt(2 * n_layers), as in GPT-2), ones for norms. Deterministic given the torch
-        seed, in module order."""
+        1/sqrt(2 * n_layers), as in GPT-2), ones for norms, zeros for biases.
+        Deterministic given the torch seed, in module order."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
-            if p.ndim == 1:
+            if name.endswith(".bias"):
+                p.zero_()
+            elif p.ndim == 1:
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.normal_(0.0, out_std)
@@ -207,7 +250,7 @@ class Llama(nn.Module):
                 p.normal_(0.0, std)
 
     def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, device)
+        return rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, dim)

@@ -32,6 +32,9 @@ def init_llama_(model: Llama, seed: int) -> Llama:
     cfg = model.cfg
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     for name, p in model.named_parameters():
+        if name.endswith(".bias"):  # q/k/v biases (Qwen2), as Llama.reset_parameters
+            p.zero_()
+            continue
         if p.ndim == 1:
             p.fill_(1.0)
             continue

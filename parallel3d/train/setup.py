@@ -22,12 +22,38 @@ from parallel3d.topology import validate_layout
 
 
 def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
+    if cfg.hf_checkpoint:
+        return _model_config_from_hf(cfg)
     overrides = {k: v for k, v in asdict(cfg).items() if k != "preset"}
     try:
         model_cfg = config_from_preset(cfg.preset, **overrides)
         model_cfg.validate()
     except ValueError as e:
         raise UserError(str(e)) from None
+    return model_cfg
+
+
+def _model_config_from_hf(cfg: ModelConfig) -> LlamaConfig:
+    """The shape comes from the folder's config.json; a model.* field set as well must agree
+    (init_std excepted: the weights come from the folder)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from parallel3d.checkpoint.hf import model_config_from_folder
+
+    folder = Path(cfg.hf_checkpoint)
+    if not folder.is_dir():
+        raise UserError(f"model.hf_checkpoint '{folder}' is not a folder: give a Hugging Face "
+                        "model folder (config.json + safetensors)")
+    model_cfg = model_config_from_folder(folder)
+    for key, value in asdict(cfg).items():
+        if key in ("preset", "hf_checkpoint", "init_std") or value is None:
+            continue
+        if getattr(model_cfg, key) != value:
+            raise UserError(f"model.{key} = {value!r} disagrees with model.hf_checkpoint's config.json "
+                            f"({getattr(model_cfg, key)!r}): drop model.{key}")
+    if cfg.init_std is not None:
+        model_cfg = replace(model_cfg, init_std=cfg.init_std)
     return model_cfg
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel3d.checkpoint import Checkpointer
 from parallel3d.config import JobConfig
 from parallel3d.distributed import all_reduce
 from parallel3d.models.llama import Llama
@@ -78,6 +79,10 @@ class Trainer:
         self.model, self.loss_fn = parallelize_llama(model, topo, cfg.parallel)
         apply_recompute(self.model, cfg.train.recompute)
         self.model.to(self.device)
+        # Weights from the checkpoint being resumed (or model.hf_checkpoint) before the
+        # optimizer exists, so that any master copy it takes starts from them.
+        self.checkpointer = Checkpointer(cfg, topo, self.model_cfg)
+        self.checkpointer.load_weights(self.model)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
                                          model=self.model)
         self.schedule = build_schedule(
@@ -97,9 +102,15 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.spikes = LossSpikeDetector(rel.spike_factor, rel.spike_window)
-        self.on_stop = None  # called as on_stop(trainer) before a "stop" exit (checkpoint hook)
+        # Optimizer, data position and RNG of the checkpoint being resumed; its step.
+        self.step = self.checkpointer.load_training_state(self)
+        # called as on_stop(trainer) before a "stop" exit: the checkpoint hook
+        self.on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
         is_logger = log and topo.rank == 0
-        self.metrics = MetricsLogger(Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
+        resumed = self.checkpointer.resumed_from is not None
+        self.metrics = (MetricsLogger(Path(cfg.run.dir), cfg.to_dict(),
+                                      resume_step=self.step if resumed else None)
+                        if is_logger else None)
         self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
 
     def _sync(self) -> None:
@@ -193,31 +204,15 @@ class Trainer:
                   f"optimizer state {mib['optimizer_state']:.1f}  "
                   f"(zero={self.cfg.parallel.zero}, all ranks in memory.json)", flush=True)
 
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over every token of ``eval.batches`` global batches of the validation
-        split (the same sequences at every evaluation).
-
-        The forward here is the plain model's (any tensor-parallel or ZeRO layout);
-        ``check_job`` refuses evaluation with pipeline parallelism, whose stages are run
-        by the schedule.
-        """
-        n_batches, autocast = self.cfg.eval.batches, _autocast_for(self.cfg, self.device)
-        total = torch.zeros((), dtype=torch.float32)
-        for b in range(n_batches):
-            micro_batches = self.data.val_micro_batches(b)
-            for inputs, targets in micro_batches:
-                with autocast():
-                    logits = self.model(inputs)
-                total += self.loss_fn(logits, targets).float().cpu() / (len(micro_batches) * n_batches)
-        return float(all_reduce(total, self.topo.dp_group) / self.topo.dp)
-
-    def fit(self) -> list[dict]:
+    def fit(self, stop_at: int | None = None) -> list[dict]:
+        """Train to ``train.steps`` (or stop after step ``stop_at``, as a run that is
+        interrupted and resumed later); returns the records of the steps run."""
         history = []
         bar = None
         if self.metrics is not None and wants_bar(self.cfg.observability.progress):
             bar = ProgressBar(self.cfg.train.steps)
-        while self.step < self.cfg.train.steps:
+        end = self.cfg.train.steps if stop_at is None else min(stop_at, self.cfg.train.steps)
+        while self.step < end:
             record = self.train_step()
             interval = self.cfg.eval.interval
             if interval and record["step"] % interval == 0:
@@ -227,6 +222,11 @@ class Trainer:
                 self._report(record, bar)
             if self.step == 1:  # every buffer exists after the first step
                 self._log_memory()
+            self.checkpointer.maybe_save(self)
+        if self.step >= self.cfg.train.steps:
+            self.checkpointer.finish(self)
+        else:
+            self.checkpointer.writer.wait()
         self.data.loader.close()
         if self.metrics is not None:
             if bar is not None:

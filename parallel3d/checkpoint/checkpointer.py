@@ -1,0 +1,228 @@
+"""The trainer's view of checkpoints: load at start, save every ``checkpoint.interval``.
+
+The trainer calls, in order::
+
+    ckpt = Checkpointer(cfg, topo, model_cfg)
+    ckpt.load_weights(model)           # from the checkpoint being resumed, else from
+                                       # model.hf_checkpoint, else nothing (seeded init)
+    ... build the optimizer and the sampler ...
+    step = ckpt.load_training_state(trainer)   # optimizer, sampler, RNG; the step to resume at
+    ... each step: ckpt.maybe_save(trainer) ...
+    ckpt.finish(trainer)               # wait for a background save, export to Hugging Face
+
+It reads the trainer's ``model``, ``optimizer``, ``sampler``, ``step``, ``topo`` and
+``cfg`` and never asks which parallelism is on: the placements and optimizer adapters
+describe every rank's state in the same terms.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel3d.errors import UserError
+
+from .errors import CheckpointError
+from .format import check_same_model, model_identity
+from .optim_state import load_optimizer, optimizer_slots
+from .reader import CheckpointReader, find_checkpoint
+from .save import CheckpointWriter, RankPayload, snapshot
+from .state import Slot, param_placements, read_block, rng_state, set_rng_state
+
+
+def _layout(cfg, topo) -> dict:
+    return {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size,
+            "zero": getattr(cfg.parallel, "zero", 0)}
+
+
+class Checkpointer:
+    def __init__(self, cfg, topo, model_cfg):
+        self.job, self.cfg, self.topo, self.model_cfg = cfg, cfg.checkpoint, topo, model_cfg
+        c = self.cfg
+        if c.interval < 0 or c.keep < 0:
+            raise UserError(f"checkpoint.interval ({c.interval}) and checkpoint.keep ({c.keep}) "
+                            "must be >= 0 (0: never save / keep all)")
+        run_dir = Path(cfg.run.dir)
+        self.root = Path(c.dir) if c.dir else run_dir / "checkpoints"
+        self.export_dir = (run_dir / c.export_hf) if c.export_hf else None
+        self.group = None
+        if dist.is_initialized() and topo.world_size > 1:
+            # Its own gloo group: a background save gathers on it while training
+            # communicates on the others (and CPU objects need gloo under nccl too).
+            self.group = dist.new_group(backend="gloo")
+        self.writer = CheckpointWriter(self.root, topo.rank, topo.world_size, self.group,
+                                       keep=c.keep, token=self._agree(secrets.token_hex(4)),
+                                       async_save=c.async_save)
+        self.reader: CheckpointReader | None = None
+        self.resumed_from: Path | None = None
+        self.hf_config: dict | None = None  # carried into checkpoints, for the export
+        self._last_saved = -1
+
+    def _agree(self, value):
+        """Rank 0's ``value``, on every rank."""
+        if self.group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    # -- loading ---------------------------------------------------------------------------
+    def _resume_folder(self) -> Path | None:
+        how = self.cfg.resume
+        if how == "never":
+            return None
+        if how == "auto":
+            return find_checkpoint(self.root)
+        path = Path(how)
+        if not path.is_dir():
+            raise UserError(f"checkpoint.resume '{how}' is not a folder: give a checkpoint folder, "
+                            "a checkpoints folder with 'latest', 'auto' or 'never'")
+        found = find_checkpoint(path)
+        if found is None:
+            raise UserError(f"checkpoint.resume '{how}' holds no complete checkpoint")
+        return found
+
+    @torch.no_grad()
+    def load_weights(self, model: torch.nn.Module) -> str | None:
+        """Fill ``model``'s parameters from the checkpoint to resume, or from
+        ``model.hf_checkpoint``; returns where they came from (None: seeded init kept)."""
+        found = self._resume_folder()  # every rank alike: nothing writes before training starts
+        placements = param_placements(model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
+        if found is not None:
+            self.reader = CheckpointReader(Path(found), verify=self.cfg.verify)
+            check_same_model(self.reader.index.model, model_identity(self.model_cfg), self.reader.folder)
+            source, prefix = self.reader, "model/"
+            self.resumed_from = Path(found)
+        elif self.job.model.hf_checkpoint:
+            from .hf import HFFolder
+
+            source, prefix = HFFolder(self.job.model.hf_checkpoint), "model/"
+            check_same_model(model_identity(source.model_config), model_identity(self.model_cfg),
+                             source.folder)
+        else:
+            return None
+        for p in model.parameters():
+            pl = placements[id(p)]
+            name = prefix + pl.name
+            if p.dtype == torch.float32 and source.has("master/" + pl.name):
+                name = "master/" + pl.name  # fp32 masters of a bf16 run: full precision
+            p.copy_(read_block(source, name, pl, p.dtype, p.device))
+        self.hf_config = source.hf_config
+        return str(source.folder)
+
+    def load_training_state(self, trainer) -> int:
+        """Optimizer, sampler and RNG from the checkpoint being resumed; returns its step
+        (0 without one). Call after :meth:`load_weights` and building the optimizer."""
+        if self.reader is None:
+            return 0
+        index = self.reader.index
+        trainer_state = index.trainer or {}
+        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
+        had_optimizer = load_optimizer(trainer.optimizer, placements, trainer_state.get("optimizer"),
+                                       self.reader)
+        step = int(trainer_state.get("step", index.step))
+        self._load_sampler(trainer, trainer_state.get("sampler"), step)
+        same_layout = all(index.layout.get(k) == v for k, v in _layout(self.job, self.topo).items())
+        meta = self.reader.rank_meta(self.topo.rank if same_layout else 0)
+        if meta and "rng" in meta:
+            set_rng_state(meta["rng"])
+        if self.topo.rank == 0:
+            note = "" if had_optimizer else " (weights only: the optimizer starts fresh)"
+            print(f"resuming from {self.reader.folder} at step {step}{note}", flush=True)
+        self._last_saved = step
+        return step
+
+    def _sampler_state(self, trainer) -> dict:
+        s = trainer.sampler
+        if hasattr(s, "state_dict"):
+            return s.state_dict()
+        # The step-indexed sampler: its position is the step; record what it depends on.
+        return {"consumed_samples": trainer.step * s.global_batch, "seed": s.seed,
+                "num_samples": s.num_samples}
+
+    def _load_sampler(self, trainer, state: dict | None, step: int) -> None:
+        s = trainer.sampler
+        if state is None:
+            return
+        # A prefetching loader restarts from the restored position (what it read ahead
+        # belongs to the old one); else the sampler itself.
+        loader = getattr(getattr(trainer, "data", None), "loader", None)
+        for target in (loader, s):
+            if target is not None and hasattr(target, "load_state_dict"):
+                target.load_state_dict(state)
+                return
+        for key, mine in (("seed", s.seed), ("num_samples", s.num_samples)):
+            if state.get(key) != mine:
+                raise CheckpointError(f"{self.reader.folder}: the data sampler was saved with {key} "
+                                      f"{state.get(key)}, this run has {mine} (resume with the same "
+                                      "data, train.seq_len and train.seed)")
+        if state.get("consumed_samples") != step * s.global_batch:
+            raise CheckpointError(f"{self.reader.folder}: {state.get('consumed_samples')} samples were "
+                                  f"consumed in {step} steps; train.global_batch {s.global_batch} "
+                                  "differs from the saved run's: resume with the same global batch")
+
+    # -- saving ----------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """Whether this run writes checkpoints at all."""
+        return self.cfg.interval > 0 or self.export_dir is not None
+
+    def save_now(self, trainer) -> None:
+        """Save at ``trainer.step`` and wait until it is on disk (the trainer's hook before
+        it stops on a non-finite step)."""
+        if trainer.step != self._last_saved:
+            self.save(trainer)
+        self.writer.wait()
+
+    def maybe_save(self, trainer) -> bool:
+        every, last = self.cfg.interval, trainer.cfg.train.steps
+        due = every > 0 and (trainer.step % every == 0 or trainer.step == last)
+        if not due or trainer.step == self._last_saved:
+            return False
+        self.save(trainer)
+        return True
+
+    def save(self, trainer) -> None:
+        """Save the trainer's state at ``trainer.step`` (collective over all ranks)."""
+        wait = getattr(trainer.optimizer, "wait_for_params", None)
+        if wait is not None:
+            wait()  # a sharded optimizer may still be gathering the updated parameters
+        self.writer.wait()  # the previous background save, before state is copied again
+        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
+        slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
+                 for p in trainer.model.parameters() if placements[id(p)].writer]
+        opt_scalars, opt_slots = optimizer_slots(trainer.optimizer, placements)
+        # whole blocks are equal over dp (one writer); flat shards differ over dp (each
+        # dp rank writes its own) and are equal over model-parallel replicas (the owner)
+        slots += [s for s in opt_slots if (s.placement.owner if s.flat is not None else s.placement.writer)]
+        meta = {"rank": self.topo.rank, **self.topo.coords(), "rng": rng_state()}
+        fields = {}
+        if self.topo.rank == 0:
+            fields = {"model": model_identity(self.model_cfg), "config": self.job.to_dict(),
+                      "layout": _layout(self.job, self.topo),
+                      "trainer": {"step": trainer.step, "optimizer": opt_scalars,
+                                  "sampler": self._sampler_state(trainer)}}
+            if self.hf_config:
+                fields["hf_config"] = self.hf_config
+        payload = RankPayload(trainer.step, self.topo.rank, snapshot(slots, copy=self.cfg.async_save),
+                              meta, fields)
+        self.writer.save(payload)
+        self._last_saved = trainer.step
+
+    def finish(self, trainer) -> None:
+        """Wait for a background save; write the Hugging Face export if asked."""
+        if self.export_dir is not None and self._last_saved != trainer.step:
+            self.save(trainer)
+        self.writer.wait()
+        if self.export_dir is not None:
+            if self.topo.rank == 0:
+                from .convert import convert
+
+                convert(self.root, self.export_dir, to="hf", progress=False)
+            if self.group is not None:
+                dist.barrier(group=self.group)
+        if self.reader is not None:
+            self.reader.close()

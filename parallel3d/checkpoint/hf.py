@@ -1,0 +1,215 @@
+"""Hugging Face model folders: read any region of any weight, write a folder tensor by tensor.
+
+A folder holds ``config.json`` and the weights as ``model.safetensors`` or as shards
+listed in ``model.safetensors.index.json``. :class:`HFFolder` serves them under our
+logical names (``model/<parallel3d name>``) with the same ``read_region`` as a parallel3d
+checkpoint, so fine-tuning initialisation (``model.hf_checkpoint``) and conversion read
+them exactly like our own checkpoints: each rank only the slices it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from parallel3d.models.llama.hf import config_from_hf, config_to_hf, name_from_hf, name_to_hf
+
+from .errors import CheckpointError
+from .safetensors_io import SafetensorsFile, StreamingWriter
+from .state import logical_shapes
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and ((path / SINGLE_NAME).is_file() or (path / INDEX_NAME).is_file())
+
+
+def read_hf_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{folder / 'config.json'} cannot be read: {e}") from None
+
+
+def model_config_from_folder(folder: Path):
+    """The :class:`LlamaConfig` of a Hugging Face folder (one line naming what is refused)."""
+    try:
+        return config_from_hf(read_hf_config(folder))
+    except (KeyError, ValueError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+
+
+class HFFolder:
+    """The weights of a Hugging Face folder as logical tensors ``model/<name>``."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.hf_config = read_hf_config(self.folder)
+        self.model_config = model_config_from_folder(self.folder)
+        self.step, self.trainer = 0, None
+        self._files: dict[str, SafetensorsFile] = {}
+        self._where: dict[str, tuple[str, str]] = {}  # logical name -> (file, key)
+        for file in self._weight_files():
+            f = self._open(file)
+            for key in f.tensors:
+                self._where["model/" + name_from_hf(key)] = (file, key)
+        self._shapes = {"model/" + n: s for n, s in logical_shapes(self.model_config).items()}
+        if self.model_config.tie_embeddings:
+            self._where.pop("model/lm_head.weight", None)  # some exports store the tied copy
+        self._check_names()
+
+    def _weight_files(self) -> list[str]:
+        if (self.folder / INDEX_NAME).is_file():
+            try:
+                weight_map = json.loads((self.folder / INDEX_NAME).read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, KeyError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{self.folder / INDEX_NAME} cannot be read: {e}") from None
+            files = sorted(set(weight_map.values()))
+        elif (self.folder / SINGLE_NAME).is_file():
+            files = [SINGLE_NAME]
+        elif list(self.folder.glob("*.bin")):
+            raise CheckpointError(f"{self.folder} holds pickled *.bin weights: parallel3d reads only "
+                                  "safetensors (load it in transformers and save_pretrained it first)")
+        else:
+            raise CheckpointError(f"{self.folder} has no {SINGLE_NAME} or {INDEX_NAME}")
+        for name in files:
+            if "/" in name or name.startswith("."):
+                raise CheckpointError(f"{self.folder / INDEX_NAME} names the file {name!r}: only "
+                                      "plain file names inside the folder are allowed")
+        return files
+
+    def _open(self, file: str) -> SafetensorsFile:
+        f = self._files.get(file)
+        if f is None:
+            f = self._files[file] = SafetensorsFile(self.folder / file)
+        return f
+
+    def _check_names(self) -> None:
+        missing = sorted(set(self._shapes) - set(self._where))
+        extra = sorted(n for n in set(self._where) - set(self._shapes)
+                       if not n.endswith("rotary_emb.inv_freq"))
+        if missing or extra:
+            raise CheckpointError(f"{self.folder}: the weights do not match config.json: missing "
+                                  f"{missing[:4]}, unexpected {extra[:4]}")
+        for name, shape in self._shapes.items():
+            file, key = self._where[name]
+            have = self._files[file].tensors[key].shape
+            if tuple(have) != tuple(shape):
+                raise CheckpointError(f"{self.folder / file}: {key} has shape {list(have)}, "
+                                      f"config.json implies {list(shape)}")
+
+    # -- the source interface (as CheckpointReader) -----------------------------------------------
+    def names(self) -> list[str]:
+        return list(self._shapes)
+
+    def has(self, name: str) -> bool:
+        return name in self._shapes
+
+    def spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
+        file, key = self._where[name]
+        info = self._files[file].tensors[key]
+        return info.shape, info.dtype
+
+    def read_region(self, name: str, offsets, shape) -> torch.Tensor:
+        if name not in self._shapes:
+            raise CheckpointError(f"{self.folder} has no tensor {name!r}")
+        file, key = self._where[name]
+        return self._files[file].read_box(key, offsets, shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        file, key = self._where[name]
+        return self._files[file].read(key)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+
+
+def hf_order(names: list[str]) -> list[str]:
+    """Embedding, layers in numeric order, final norm, head: the order of the model."""
+    def key(n: str):
+        parts = n.split("/", 1)[-1].split(".")
+        if parts[0] == "layers":
+            return (1, int(parts[1]), n)
+        return ({"embed_tokens": 0, "norm": 2, "lm_head": 3}.get(parts[0], 4), 0, n)
+    return sorted(names, key=key)
+
+
+def plan_shards(specs: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> list[list[int]]:
+    """Consecutive tensors grouped into shards of at most ``max_bytes`` (a larger tensor
+    gets a shard of its own)."""
+    shards, current, size = [], [], 0
+    for i, (_, shape, dtype) in enumerate(specs):
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if current and size + nbytes > max_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def write_hf_folder(dst: Path, source, model_cfg, *, hf_config: dict | None = None,
+                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
+                    progress=None) -> list[tuple[str, str]]:
+    """Write ``source``'s ``model/*`` tensors as a Hugging Face folder at ``dst``, one tensor
+    in memory at a time; returns ``[(logical name, file)]``. Written into a temporary
+    folder renamed to ``dst`` at the end (an existing ``dst`` is replaced)."""
+    names = hf_order([n for n in source.names() if n.startswith("model/")])
+    specs = []
+    for n in names:
+        shape, src_dtype = source.spec(n)
+        specs.append((n, tuple(shape), dtype or src_dtype))
+    shards = plan_shards(specs, max_shard_bytes)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    placed, weight_map, total = [], {}, 0
+    for s, members in enumerate(shards):
+        file = SINGLE_NAME if len(shards) == 1 else f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
+        writer = StreamingWriter(tmp / file, [(name_to_hf(specs[i][0][6:]), specs[i][2], specs[i][1])
+                                               for i in members], metadata={"format": "pt"})
+        for i in members:
+            name, shape, want = specs[i]
+            t = source.read(name)
+            writer.write(name_to_hf(name[6:]), t.to(want))
+            total += t.numel() * torch.empty((), dtype=want).element_size()
+            placed.append((name, file))
+            weight_map[name_to_hf(name[6:])] = file
+            if progress is not None:
+                progress(t.numel() * t.element_size())
+            del t
+        writer.close()
+    if len(shards) > 1:
+        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
+                                                  "weight_map": weight_map}, indent=2))
+    config = dict(hf_config) if hf_config else config_to_hf(model_cfg)
+    if hf_config:  # keep the source's own fields (token ids, ...), checked against ours
+        ours = config_from_hf(config)
+        if ours.tie_embeddings != model_cfg.tie_embeddings or ours.vocab_size != model_cfg.vocab_size:
+            config = config_to_hf(model_cfg)
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        config.pop("dtype", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+    return placed

@@ -1,0 +1,140 @@
+"""Optimizer state as slots of logical tensors, for every optimizer the trainer can build.
+
+Each adapter says what its optimizer holds in the terms of :mod:`.state`: for parameter
+``p`` (placement ``pl``), tensor ``t`` is the whole block of ``optim/exp_avg/<name>``, or
+(sharded optimizers) a flat range of it. Loading asks the checkpoint for the same regions
+at the new layout, whatever layout wrote them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import CheckpointError
+from .state import Placement, Slot, read_block
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def optimizer_slots(optimizer, placements: dict[int, Placement]) -> tuple[dict, list[Slot]]:
+    """(JSON-able scalars, slots to save) of ``optimizer``."""
+    inner = getattr(optimizer, "inner", None)
+    if isinstance(inner, torch.optim.AdamW):
+        return _adamw_slots(optimizer, placements)
+    if _is_zero(optimizer):
+        return _zero_slots(optimizer, placements)
+    raise CheckpointError(f"checkpoints do not know the optimizer {type(optimizer).__name__}")
+
+
+def load_optimizer(optimizer, placements: dict[int, Placement], scalars: dict | None, source) -> bool:
+    """Load the optimizer state from ``source`` (a reader); False if the checkpoint holds
+    none (a weights-only checkpoint, e.g. converted from Hugging Face)."""
+    inner = getattr(optimizer, "inner", None)
+    if isinstance(inner, torch.optim.AdamW):
+        return _adamw_load(optimizer, placements, scalars or {}, source)
+    if _is_zero(optimizer):
+        return _zero_load(optimizer, placements, scalars or {}, source)
+    raise CheckpointError(f"checkpoints do not know the optimizer {type(optimizer).__name__}")
+
+
+def _has_moments(source, placements: list[Placement]) -> bool:
+    present = [source.has(f"optim/{m}/{pl.name}") for pl in placements for m in MOMENTS]
+    if present and not all(present) and any(present):
+        missing = [f"optim/{m}/{pl.name}" for pl in placements for m in MOMENTS
+                   if not source.has(f"optim/{m}/{pl.name}")]
+        raise CheckpointError(f"{source.folder} holds optimizer state for some parameters but not "
+                              f"{missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    return bool(present) and all(present)
+
+
+# -- torch AdamW over whole (TP-local) parameters: DataParallelOptimizer -------------------------
+def _adamw_slots(opt, placements):
+    steps, slots = set(), []
+    for p in opt.params:
+        st = opt.inner.state.get(p)
+        if not st:
+            continue
+        pl = placements[id(p)]
+        steps.add(int(st["step"]))
+        for m in MOMENTS:
+            slots.append(Slot(f"optim/{m}/{pl.name}", pl, st[m]))
+    if len(steps) > 1:
+        raise CheckpointError(f"AdamW parameters are at different steps {sorted(steps)}")
+    return {"kind": "adamw", "step": steps.pop() if steps else 0}, slots
+
+
+@torch.no_grad()
+def _adamw_load(opt, placements, scalars, source) -> bool:
+    pls = [placements[id(p)] for p in opt.params]
+    if not _has_moments(source, pls):
+        return False
+    step = int(scalars.get("step", 0))
+    for p, pl in zip(opt.params, pls):
+        state = {"step": torch.tensor(float(step), dtype=torch.float32)}
+        for m in MOMENTS:
+            state[m] = read_block(source, f"optim/{m}/{pl.name}", pl, p.dtype, p.device)
+        opt.inner.state[p] = state
+    return True
+
+
+# -- the sharded optimizer (parallel3d.zero.ZeroOptimizer, stages 1 and 2) -----------------------
+# It packs this rank's parameters into buckets; dp rank r owns the range
+# [r * N_b / dp, (r+1) * N_b / dp) of bucket b: its fp32 masters ``masters[b]`` and the
+# moments at ``shard_offsets()[b]`` of the flat Adam buffers. Each parameter segment inside
+# that range is a flat range [a, c) of the parameter's (tensor-parallel) block: one slot.
+def _is_zero(opt) -> bool:
+    return all(hasattr(opt, a) for a in ("layout", "masters", "master_is_param", "step_count", "adam"))
+
+
+def _zero_segments(opt, placements):
+    """``(param, placement, bucket, lo, hi, a, c)``: shard range [lo, hi) of bucket b holds
+    elements [a, c) of the flattened block of ``param``."""
+    out = []
+    for b, bucket in enumerate(opt.layout.buckets):
+        s_lo, _ = bucket.shard_range(opt.dp_rank)
+        for seg, lo, hi in bucket.shard_pieces(opt.dp_rank):
+            p = opt.params[seg.index]
+            a = s_lo + lo - seg.start
+            out.append((p, placements[id(p)], b, lo, hi, a, a + hi - lo))
+    return out
+
+
+def _zero_moments(opt) -> dict[str, list[torch.Tensor]]:
+    """Per bucket, this rank's moment shard (views, same coordinates as ``masters[b]``)."""
+    adam = opt.adam
+    if hasattr(adam, "exp_avg"):  # FlatAdamW: flat buffers over the buckets' shards
+        offsets = opt.layout.shard_offsets()
+        return {m: [getattr(adam, m)[o:o + master.numel()] for o, master in zip(offsets, opt.masters)]
+                for m in MOMENTS}
+    raise CheckpointError(f"checkpoints do not know the sharded optimizer's {type(adam).__name__} "
+                          "(CPU-offloaded Adam state is not supported yet)")
+
+
+def _zero_slots(opt, placements):
+    opt.wait_for_params()
+    moments = _zero_moments(opt) if opt.step_count > 0 else None
+    slots = []
+    for p, pl, b, lo, hi, a, c in _zero_segments(opt, placements):
+        if not opt.master_is_param:
+            slots.append(Slot(f"master/{pl.name}", pl, opt.masters[b][lo:hi], (a, c)))
+        if moments is not None:
+            for m in MOMENTS:
+                slots.append(Slot(f"optim/{m}/{pl.name}", pl, moments[m][b][lo:hi], (a, c)))
+    return {"kind": "adamw", "step": int(opt.step_count)}, slots
+
+
+@torch.no_grad()
+def _zero_load(opt, placements, scalars, source) -> bool:
+    segments = _zero_segments(opt, placements)
+    if not opt.master_is_param:  # full-precision masters, whatever dtype the params have
+        for p, pl, b, lo, hi, a, c in segments:
+            name = f"master/{pl.name}" if source.has(f"master/{pl.name}") else f"model/{pl.name}"
+            opt.masters[b][lo:hi].copy_(source.read_block_flat(name, pl.offsets, pl.block, a, c))
+    if not _has_moments(source, [seg[1] for seg in segments]):
+        return False
+    moments = _zero_moments(opt)
+    for p, pl, b, lo, hi, a, c in segments:
+        for m in MOMENTS:
+            moments[m][b][lo:hi].copy_(source.read_block_flat(f"optim/{m}/{pl.name}", pl.offsets, pl.block, a, c))
+    opt.step_count = int(scalars.get("step", 0))
+    return True

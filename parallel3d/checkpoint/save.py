@@ -1,0 +1,264 @@
+"""Writing a checkpoint: every rank its own files, rank 0 the index, atomically.
+
+The protocol, for step ``s`` (``token`` is agreed by the ranks once per run)::
+
+    every rank   writes rank_RRRRR.safetensors + rank_RRRRR.json into
+                 ROOT/step_0000000s.tmp-<token>/, flushed and fsynced, hashing as it writes
+    rank 0       gathers every rank's piece list and file records, checks that the pieces
+                 cover every logical tensor, writes index.json (fsynced), renames the folder
+                 to ROOT/step_0000000s, then rewrites ROOT/latest (temporary name + rename):
+                 the pointer moves last
+    every rank   returns once rank 0 says the checkpoint is complete (or raises its error)
+
+A process killed at any point leaves either the previous ``latest`` or the new one, each
+pointing at a complete folder; a ``.tmp-`` folder is never read and the next save deletes
+it. With ``async_save`` the tensors are first copied to host memory, and a background
+thread does the rest (over its own gloo group, so training collectives are not disturbed)
+while training continues; the next save (or the end of training) waits for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointError
+from .format import LATEST, Index, Piece, TensorEntry
+from .reader import complete_checkpoints, read_latest, step_dir_name
+from .safetensors_io import StreamingWriter
+from .state import Slot, clip_to_shape
+
+
+@dataclass
+class RankPayload:
+    """Everything one rank writes for one checkpoint (tensors already snapshotted)."""
+
+    step: int
+    rank: int
+    slots: list[Slot]
+    meta: dict  # per-rank JSON: RNG states, coordinates
+    index_fields: dict = field(default_factory=dict)  # rank 0: model, config, trainer, layout
+
+
+def snapshot(slots: list[Slot], copy: bool) -> list[Slot]:
+    """Slots whose tensors are host copies (``copy``: always, for a background writer that
+    must not see the training update them), detached either way."""
+    out = []
+    for s in slots:
+        t = s.tensor.detach()
+        t = t.to("cpu", copy=True) if copy or t.device.type != "cpu" else t
+        out.append(Slot(s.name, s.placement, t, s.flat))
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def write_rank_files(folder: Path, payload: RankPayload) -> dict:
+    """Write this rank's tensors and metadata into ``folder``; returns its records:
+    ``{"files": {name: {size, sha256}}, "tensors": {name: (shape, dtype, [piece json])},
+    "rank_file": name}``."""
+    stem = f"rank_{payload.rank:05d}"
+    tensor_file = f"{stem}.safetensors"
+    specs, data, tensors = [], [], {}
+    for slot in payload.slots:
+        pl = slot.placement
+        if slot.flat is None:
+            t = clip_to_shape(slot.tensor, pl)
+            piece = Piece(tensor_file, slot.name, pl.offsets, tuple(t.shape))
+        else:
+            t = slot.tensor.reshape(-1)
+            piece = Piece(tensor_file, slot.name, pl.offsets, pl.block, slot.flat)
+            assert t.numel() == slot.flat[1] - slot.flat[0], (slot.name, slot.flat, t.numel())
+        key = slot.name if slot.name not in {k for k, _, _ in specs} else f"{slot.name}#{len(specs)}"
+        piece = Piece(piece.file, key, piece.offsets, piece.block, piece.flat)
+        specs.append((key, t.dtype, tuple(t.shape)))
+        data.append((key, t))
+        rec = tensors.setdefault(slot.name, [list(pl.shape), str(t.dtype).removeprefix("torch."), []])
+        rec[2].append(piece.to_json())
+    files = {}
+    if specs:
+        writer = StreamingWriter(folder / tensor_file, specs, metadata={"format": "parallel3d"})
+        try:
+            for key, t in data:
+                _phase("write_tensor")
+                writer.write(key, t)
+        except BaseException:
+            writer.abort()
+            raise
+        size, sha = writer.close()
+        files[tensor_file] = {"size": size, "sha256": sha}
+    meta_file = f"{stem}.json"
+    text = json.dumps(payload.meta)
+    with open(folder / meta_file, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    raw = text.encode("utf-8")
+    files[meta_file] = {"size": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+    return {"files": files, "tensors": tensors, "rank_file": meta_file}
+
+
+def build_index(step: int, records: list[dict], fields: dict) -> Index:
+    """Merge the ranks' records into the index; every logical tensor must be covered."""
+    tensors: dict[str, TensorEntry] = {}
+    files: dict[str, dict] = {}
+    ranks: dict[str, str] = {}
+    for rank, rec in enumerate(records):
+        files.update(rec["files"])
+        ranks[str(rank)] = rec["rank_file"]
+        for name, (shape, dtype, pieces) in rec["tensors"].items():
+            entry = tensors.get(name)
+            if entry is None:
+                entry = tensors[name] = TensorEntry(tuple(shape), getattr(torch, dtype), [])
+            elif list(entry.shape) != list(shape) or entry.dtype != getattr(torch, dtype):
+                raise CheckpointError(f"ranks disagree on the shape or dtype of {name}")
+            entry.pieces += [Piece.from_json(p) for p in pieces]
+    for name, entry in tensors.items():
+        have, want = entry.covered_numel(), 1
+        for s in entry.shape:
+            want *= s
+        if have != want:
+            raise CheckpointError(f"internal error: the ranks' pieces of {name} hold {have} of "
+                                  f"{want} elements (overlapping or missing shards)")
+    return Index(step=step, model=fields["model"], tensors=tensors, files=files, ranks=ranks,
+                 layout=fields.get("layout", {}), trainer=fields.get("trainer"),
+                 config=fields.get("config"), hf_config=fields.get("hf_config"))
+
+
+# A test seam: called at the named points of a save; the kill-mid-save test replaces it to
+# stop the process at each of them. A no-op otherwise.
+def _phase(name: str) -> None:
+    pass
+
+
+class CheckpointWriter:
+    """Saves checkpoints under ``root`` with the protocol of the module docstring.
+
+    ``group``: a gloo group over every rank, used only by this writer (None: one process).
+    ``keep``: how many complete checkpoints to keep (0: all)."""
+
+    def __init__(self, root: Path, rank: int, world_size: int, group=None, keep: int = 0,
+                 token: str = "0", async_save: bool = False):
+        self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
+        self.keep, self.token, self.async_save = keep, token, async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, payload: RankPayload) -> None:
+        """Write ``payload`` (this rank's part of step ``payload.step``); collective."""
+        self.wait()
+        if not self.async_save:
+            self._save(payload)
+            return
+        self._thread = threading.Thread(target=self._run, args=(payload,), daemon=True,
+                                        name=f"p3d-checkpoint-{payload.step}")
+        self._thread.start()
+
+    def _run(self, payload: RankPayload) -> None:
+        try:
+            self._save(payload)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait() on the main thread
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until a background save finishes; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- the protocol ------------------------------------------------------------------------
+    def _save(self, payload: RankPayload) -> None:
+        final = self.root / step_dir_name(payload.step)
+        tmp = self.root / f"{final.name}.tmp-{self.token}"
+        records, error = None, None
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            records = write_rank_files(tmp, payload)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        _phase("rank_files_written")
+        gathered = self._gather((records, error))
+        outcome = None
+        if self.rank == 0:
+            errors = [err for _, err in gathered if err]
+            try:
+                if errors:
+                    raise CheckpointError("; ".join(errors))
+                index = build_index(payload.step, [rec for rec, _ in gathered], payload.index_fields)
+                self._finalize(index, tmp, final)
+            except Exception as e:  # noqa: BLE001 - sent to every rank
+                outcome = f"checkpoint step {payload.step} in {self.root} failed: {e}"
+        outcome = self._broadcast(outcome)
+        if outcome:
+            raise CheckpointError(outcome)
+
+    def _finalize(self, index: Index, tmp: Path, final: Path) -> None:
+        index.write(tmp / "index.json")
+        _fsync_dir(tmp)
+        _phase("index_written")
+        if final.exists():  # a checkpoint of this step from before a resume: replace it
+            old = final.with_name(f"{final.name}.old-{self.token}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(self.root)
+        _phase("renamed")
+        _write_text_atomic(self.root / LATEST, final.name + "\n")
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop checkpoints beyond the newest ``keep`` and leftovers of killed saves."""
+        for p in self.root.iterdir():
+            if p.is_dir() and p.name.startswith("step_") and (".tmp-" in p.name or ".old-" in p.name):
+                shutil.rmtree(p, ignore_errors=True)
+        if self.keep <= 0:
+            return
+        latest = read_latest(self.root)
+        complete = complete_checkpoints(self.root)
+        for _, path in complete[:-self.keep]:
+            if latest is None or path.resolve() != latest.resolve():
+                shutil.rmtree(path, ignore_errors=True)
+
+    # -- collectives over the writer's own group --------------------------------------------------
+    def _gather(self, obj) -> list:
+        if self.group is None or self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out
+
+    def _broadcast(self, obj):
+        if self.group is None or self.world_size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]

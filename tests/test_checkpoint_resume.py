@@ -1,0 +1,97 @@
+"""Exact resume and resharding through real training runs.
+
+A run stopped at step 10 and resumed from its checkpoint must give the per-step losses of
+a run never stopped: bit for bit at the same layout (the same operations on the same
+numbers), and to fp32 reassociation at another layout (different reduction orders).
+The model has an odd vocabulary (515: padded to 516 at tp=2 and tp=4) and 2 kv-heads
+(replicated over 2 ranks at tp=4), so padding and shared shards take part.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from parallel3d.config import config_from_dict
+from parallel3d.topology import Topology
+from parallel3d.train.trainer import Trainer
+
+from helpers import relative_diff, tiny_job
+
+STEPS, STOP = 20, 10
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Training in this process on one thread: the pool's ranks take the other cores, and
+    two OpenMP threads spinning on a loaded 2-core machine cost seconds per step."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _job(corpus_dir, run_dir, tp=1, dp=1, **checkpoint):
+    return tiny_job(corpus_dir, str(run_dir), model={"vocab_size": 515},
+                    parallel={"tp": tp, "dp": dp}, train={"steps": STEPS, "grad_clip": 0.5},
+                    checkpoint={"interval": 5, **checkpoint})
+
+
+def _losses(job: dict, stop_at: int | None = None) -> list[float]:
+    par = job["parallel"]
+    trainer = Trainer(config_from_dict(job), Topology(par["tp"], 1, par["dp"]))
+    return [r["loss"] for r in trainer.fit(stop_at=stop_at)]
+
+
+def test_resume_1x1x1_is_bit_exact(corpus_dir, tmp_path):
+    straight = _losses(_job(corpus_dir, tmp_path / "straight"))
+    job = _job(corpus_dir, tmp_path / "resumed", keep=2)
+    resumed = _losses(job, stop_at=STOP) + _losses(job)  # checkpoint.resume = auto: step 10
+    assert resumed == straight  # same layout: identical operations, identical bits
+    # keep=2: only the two newest of steps 5, 10, 15, 20 remain; latest is the last
+    root = tmp_path / "resumed" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000015", "step_00000020"]
+    assert (root / "latest").read_text().strip() == "step_00000020"
+    # the resumed run continued metrics.jsonl: every step once, in order
+    steps = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").open()]
+    assert steps == list(range(1, STEPS + 1))
+
+
+def test_tp2_dp2_resume_is_bit_exact_and_reshards(pools, corpus_dir, tmp_path):
+    pool = pools(4)
+    straight = pool.run(_losses, _job(corpus_dir, tmp_path / "straight", tp=2, dp=2))[0]
+    job = _job(corpus_dir, tmp_path / "resumed", tp=2, dp=2, async_save=True, keep=0)
+    first = pool.run(_losses, job, STOP)[0]
+    again = pool.run(_losses, job)[0]
+    assert first + again == straight  # async saves, same layout: bit for bit
+    step10 = str(tmp_path / "resumed" / "checkpoints" / "step_00000010")
+    for tp, dp in [(4, 1), (1, 4)]:
+        other = _job(corpus_dir, tmp_path / f"tp{tp}dp{dp}", tp=tp, dp=dp, resume=step10)
+        continued = pool.run(_losses, other)[0]
+        # fp32: another split sums the same products in another order (a few ulps per op,
+        # as between the layouts themselves in test_train_tp); 1e-5 relative is the bar.
+        assert len(continued) == STEPS - STOP
+        assert relative_diff(continued, straight[STOP:]) < 1e-5, (tp, dp)
+
+
+def test_stop_on_a_non_finite_step_saves_through_the_hook(corpus_dir, tmp_path):
+    """reliability.on_nonfinite=stop: the trainer's checkpoint hook saves the state after
+    the skipped step, and a restart resumes there with the last good weights."""
+    from parallel3d.reliability import TrainingStopped
+
+    job = _job(corpus_dir, tmp_path / "run", interval=100)  # on, but no periodic save here
+    job["reliability"] = {"on_nonfinite": "stop"}
+    trainer = Trainer(config_from_dict(job), Topology.single())
+    first = next(trainer.model.parameters())
+    first.register_hook(lambda g: g * math.nan if trainer.step + 1 == 3 else g)
+    trainer.train_step()
+    trainer.train_step()
+    good = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(TrainingStopped, match="saved by the checkpoint hook"):
+        trainer.train_step()
+    resumed = Trainer(config_from_dict(job), Topology.single())
+    assert resumed.step == 3  # the poisoned step is done (skipped), its batch consumed
+    assert all(torch.equal(a, b) for a, b in zip(good, resumed.model.parameters()))
