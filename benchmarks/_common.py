@@ -58,7 +58,7 @@ class GlobalBatches:
     def __init__(self, cfg: JobConfig):
         from parallel3d.train.data import GlobalBatchSampler, TokenWindows, prepare_corpus
 
-        self.windows = TokenWindows(prepare_corpus(cfg.data).tokens(), cfg.train.seq_len)
+        self.windows = TokenWindows(prepare_corpus(cfg.data).split("train"), cfg.train.seq_len)
         t = cfg.train
         self.sampler = GlobalBatchSampler(self.windows.num_samples, t.global_batch,
                                           t.global_batch, 1, 0, t.seed)

@@ -53,7 +53,7 @@ def test_rank_micro_batches_match_the_trainer_sampler(corpus_dir):
                       corpus_dir=corpus_dir)
     cfg.data.vocab_size = 512  # the session corpus
     batches = _common.GlobalBatches(cfg)
-    windows = TokenWindows(prepare_corpus(cfg.data).tokens(), 32)
+    windows = TokenWindows(prepare_corpus(cfg.data).split("train"), 32)
     for dp_rank in range(2):
         sampler = GlobalBatchSampler(windows.num_samples, 8, 2, 2, dp_rank, cfg.train.seed)
         for step in (0, 2):
