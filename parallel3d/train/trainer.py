@@ -155,6 +155,25 @@ class Trainer:
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
 
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over every token of ``eval.batches`` global batches of the validation
+        split (the same sequences at every evaluation).
+
+        The forward here is the plain model's (any tensor-parallel or ZeRO layout);
+        ``check_job`` refuses evaluation with pipeline parallelism, whose stages are run
+        by the schedule.
+        """
+        n_batches, autocast = self.cfg.eval.batches, _autocast_for(self.cfg, self.device)
+        total = torch.zeros((), dtype=torch.float32)
+        for b in range(n_batches):
+            micro_batches = self.data.val_micro_batches(b)
+            for inputs, targets in micro_batches:
+                with autocast():
+                    logits = self.model(inputs)
+                total += self.loss_fn(logits, targets).float().cpu() / (len(micro_batches) * n_batches)
+        return float(all_reduce(total, self.topo.dp_group) / self.topo.dp)
+
     def _check_numbers(self, loss: float, grad_norm: float) -> dict:
         """Skip or stop on a non-finite step, flag a loss spike (same on every rank: the
         loss and the norm are all-reduced values)."""
