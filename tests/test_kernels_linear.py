@@ -51,9 +51,17 @@ SHAPES = [((37, 71), 53), ((1, 65), 129), ((64, 64), 64), ((3, 11, 71), 53)]
 
 
 @pytest.fixture(autouse=True)
-def exact_fp32_reference(monkeypatch):
-    """The fp32 reference must not run in TF32 on a GPU, whatever another test set."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def exact_fp32_reference():
+    """The fp32 reference must not run in TF32 on a GPU, whatever another test set.
+
+    Saved and restored by hand: ``torch.backends.cuda.matmul`` answers attributes through
+    ``__getattr__``, which newer pytest's monkeypatch records as absent and then fails to
+    delete at teardown."""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    yield
+    matmul.allow_tf32 = before
 
 
 def rel_err(actual, expected):
