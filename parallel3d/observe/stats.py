@@ -138,13 +138,15 @@ class StepObserver:
                 dist.all_gather_object(self.hosts, socket.gethostname())
         return self.hosts
 
-    def collect(self, step: int, step_time: float, spans) -> dict:
-        """Metrics of step ``step`` (the same dict on every rank)."""
+    def collect(self, step: int, step_time: float, spans, bubble: float = 0.0) -> dict:
+        """Metrics of step ``step`` (the same dict on every rank). ``bubble`` is this rank's
+        idle share of its pipeline step window; ``bubble_fraction`` is its mean over ranks."""
         own = step_breakdown(spans, step_time)
         mem, source = peak_memory_bytes(self.device)
-        rows = self._gather([step_time, *own.values(), float(mem)])
+        rows = self._gather([step_time, *own.values(), bubble, float(mem)])
         n = len(rows)
         record = {k: sum(r[1 + i] for r in rows) / n for i, k in enumerate(BREAKDOWN)}
+        record["bubble_fraction"] = sum(r[-2] for r in rows) / n
         record["rank_step_time_s"] = [r[0] for r in rows]
         busy = [r[0] - r[1 + BREAKDOWN.index("comm_exposed_s")] - r[1 + BREAKDOWN.index("bubble_s")]
                 for r in rows]

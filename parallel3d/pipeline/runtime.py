@@ -167,7 +167,8 @@ class PipelineSchedule:
     # -- metrics ----------------------------------------------------------------------------
     def step_metrics(self) -> dict:
         """``bubble_fraction``: idle share of the last step's window, mean over all ranks
-        (the same value on every rank)."""
+        (the same value on every rank), by its own all-reduce. The trainer does not call
+        this: its StepObserver gathers the bubble with the step's other per-rank figures."""
         bubble = torch.tensor([self.timeline.last_bubble or 0.0], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
             bubble = bubble.to(self.device)

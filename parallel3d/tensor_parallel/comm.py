@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel3d.distributed import reduce_scatter_flat
+
 SEQ_DIM = 1  # activations are (B, S, H)
 
 
@@ -76,7 +78,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {p} ranks")
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // p, *front.shape[1:]))
-    dist.reduce_scatter_single(out, front, group=group)
+    reduce_scatter_flat(out.view(-1), front.view(-1), group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -148,9 +148,11 @@ class Trainer:
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt, **self.schedule.step_metrics(),
+                  "tokens_per_s": tokens / dt, "step_time_s": dt,
                   **self._check_numbers(loss, grad_norm),
-                  **self.observer.collect(self.step, dt, timeline.step_spans())}
+                  # with the pipeline bubble: one all-gather per step for every per-rank figure
+                  **self.observer.collect(self.step, dt, timeline.step_spans(),
+                                          bubble=timeline.last_bubble or 0.0)}
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record

@@ -23,35 +23,28 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel3d.distributed import reduce_scatter_flat
+
 from .buckets import BucketLayout
 
 # torch 2.13 renamed the flat collectives; older torch only has the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Reduction:
     """One bucket's reduce-scatter in flight: on :meth:`finish` the reduced shard is
     written (first contribution of the step) or added (later micro-batches) into ``dest``.
-
-    NCCL gets a real reduce-scatter. gloo has no native one: ProcessGroupGloo's
-    reduce_scatter_tensor clones its input, all-reduces the clone and copies out one chunk
-    (torch 2.13). We do exactly that without the clone: all-reduce the packed bucket in
-    place (it is ours and is dropped afterwards) and take this rank's chunk.
+    The collective is :func:`parallel3d.distributed.reduce_scatter_flat` (NCCL's own, an
+    all-to-all and a local sum on gloo).
     """
 
-    def __init__(self, bucket_flat: torch.Tensor, dest: torch.Tensor, accumulate: bool,
-                 group, dp_rank: int, use_all_reduce: bool):
+    def __init__(self, bucket_flat: torch.Tensor, dest: torch.Tensor, accumulate: bool, group):
         self.dest, self.accumulate = dest, accumulate
-        n = dest.numel()
         if group is None:
             self.work, self.result = None, bucket_flat
-        elif use_all_reduce:
-            self.work = dist.all_reduce(bucket_flat, group=group, async_op=True)
-            self.result = bucket_flat[dp_rank * n:(dp_rank + 1) * n]
         else:
             self.result = torch.empty_like(dest) if accumulate else dest
-            self.work = _reduce_scatter(self.result, bucket_flat, group=group, async_op=True)
+            self.work = reduce_scatter_flat(self.result, bucket_flat, group, async_op=True)
         self._keep = bucket_flat  # alive until the collective is done
 
     def finish(self) -> None:
@@ -78,7 +71,6 @@ class GradReducer:
         self.params, self.layout, self.stage = params, layout, stage
         self.dp, self.dp_rank = topo.dp, topo.dp_rank
         self.group = topo.dp_group if topo.dp > 1 else None
-        self.use_all_reduce = self.group is not None and dist.get_backend(self.group) == "gloo"
         self.shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
         offsets = layout.shard_offsets()
         self.shard_views = [self.shard[o:o + b.shard_numel] for o, b in zip(offsets, layout.buckets)]
@@ -143,8 +135,7 @@ class GradReducer:
     def _issue(self, b: int, bucket_flat: torch.Tensor) -> None:
         if self.trace is not None:
             self.trace.append(("issue", b))
-        red = _Reduction(bucket_flat, self.shard_views[b], self._accumulated[b], self.group,
-                         self.dp_rank, self.use_all_reduce)
+        red = _Reduction(bucket_flat, self.shard_views[b], self._accumulated[b], self.group)
         self._accumulated[b] = True
         self._inflight.append((b, red))
 
