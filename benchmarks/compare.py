@@ -1,12 +1,12 @@
 """parallel3d against DeepSpeed and torch, end to end, one table.
 
-    python benchmarks/compare.py [--rows dp-zero1,dp-zero2,pp2,pp4,tp2,pp2-dp2-zero1,3d] [--steps 6]
-                                 [--rounds 2] [--warmup 2] [--out table.md]
+    python benchmarks/compare.py [--rows dp-zero1,dp-zero2,pp2,pp4,tp2,pp2-dp2-zero1,pp2-dp4-zero1,3d]
+                                 [--steps 6] [--rounds 2] [--warmup 2] [--out table.md]
 
 Every row trains the same Llama (the ``debug`` preset: 4 layers, dim 128, vocab 2048,
 from the trainer's seed) for ``--steps`` optimizer steps of 8 sequences x 128 tokens
-(micro-batches of 2) with AdamW (lr 1e-3 constant, betas 0.9/0.95, eps 1e-8, weight
-decay 0.1 on >= 2-D parameters) and global-norm clipping at 1.0, on the same global
+(micro-batches of 2 unless the row says otherwise) with AdamW (lr 1e-3 constant, betas
+0.9/0.95, eps 1e-8, weight decay 0.1 on >= 2-D parameters) and global-norm clipping at 1.0, on the same global
 batches (the trainer's sampler), once with parallel3d's Trainer and once with each peer
 that runs the same layout; rounds alternate parallel3d, peer 1, peer 2, parallel3d, ...
 so that load from other processes on the machine hits every side alike. Reported per
@@ -40,6 +40,7 @@ class Row:
     layout: dict
     peers: list = field(default_factory=list)  # (name, runner, kwargs, world or None)
     what: str = ""
+    job: dict = field(default_factory=dict)  # job() arguments of both sides (micro_batch)
 
 
 ROWS = {
@@ -61,10 +62,14 @@ ROWS = {
                          [("DeepSpeed pipe+ZeRO-1", peers.run_deepspeed_pipe,
                            {"ds_pp": 2, "ds_zero": 1}, None)],
                          "pp=2 x dp=2, ZeRO-1: the 3d row's peer layout, run by both"),
+    "pp2-dp4-zero1": Row(8, {"pp": 2, "dp": 4, "zero": 1, "schedule": "1f1b"},
+                         [("DeepSpeed pipe+ZeRO-1", peers.run_deepspeed_pipe,
+                           {"ds_pp": 2, "ds_zero": 1}, None)],
+                         "pp=2 x dp=4, ZeRO-1, micro-batches of 1: DeepSpeed's 8-rank layout, run by both",
+                         {"micro_batch": 1}),
     "3d": Row(8, {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
-              [("DeepSpeed pipe+ZeRO-1 (pp=2, dp=2, 4 ranks)", peers.run_deepspeed_pipe,
-                {"ds_pp": 2, "ds_zero": 1}, 4)],
-              "tp=2 x pp=2 x dp=2, ZeRO-1, 1F1B"),
+              [("torch 3D: DTensor TP x Schedule1F1B x dp all-reduce", peers.run_torch_3d, {}, None)],
+              "tp=2 x pp=2 x dp=2, ZeRO-1, 1F1B (DeepSpeed has no tensor parallelism)"),
 }
 
 
@@ -95,7 +100,7 @@ class Pools:
 
 
 def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _common.Side, _common.Side]]:
-    job_kw = {"seq_len": args.seq_len}
+    job_kw = {"seq_len": args.seq_len, **row.job}
     tokens = 8 * args.seq_len
     ours_runs, peer_runs, errors = [], {p[0]: [] for p in row.peers}, {}
     for _ in range(args.rounds):

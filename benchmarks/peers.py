@@ -289,3 +289,126 @@ def run_dtensor_tp(layout: dict, steps: int, memory_run: bool = False, **job_kw)
             run.losses.append(float(loss))
     run.peak = mem.peak
     return run
+
+
+def _tp_plan(chunk, tp_mesh) -> None:
+    """torchtitan's tensor-parallel plan (no sequence parallelism) on a pipeline chunk:
+    whichever of embedding / layers / head the chunk holds; the head's logits stay
+    vocab-sharded for ``loss_parallel``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    top = {}
+    if chunk.embed_tokens is not None:
+        top["embed_tokens"] = RowwiseParallel(input_layouts=Replicate())
+    if chunk.lm_head is not None:
+        top["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    if top:
+        parallelize_module(chunk, tp_mesh, top)
+    for layer in chunk.layers.values():
+        parallelize_module(layer, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+
+
+def run_torch_3d(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
+    """torch's own 3D composition, as torchtitan builds it: a (pp, dp, tp) DeviceMesh in our
+    rank order, DTensor tensor parallelism on each stage, ``Schedule1F1B`` over the stages
+    our planner cuts, gradients all-reduced over dp (DDP's arithmetic, one flat buffer)
+    and clipped by the norm over all shards and stages, AdamW."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from parallel3d.models.llama.parallelize import cut_pipeline_stages
+
+    cfg = job(layout, steps, **job_kw)
+    tp, pp, dp = layout.get("tp", 1), layout.get("pp", 1), layout.get("dp", 1)
+    mesh = init_device_mesh(_device().type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    pp_rank, dp_rank, tp_rank = (mesh.get_local_rank(d) for d in ("pp", "dp", "tp"))
+    pp_group, dp_group, tp_group = (mesh.get_group(d) for d in ("pp", "dp", "tp"))
+    micro = cfg.train.micro_batch
+    n_micro = cfg.train.global_batch // (micro * dp)
+    data = GlobalBatches(cfg)
+    device = _device()
+    run = Run()
+
+    class _Where:  # what cut_pipeline_stages reads of a topology
+        pass
+    where = _Where()
+    where.pp_rank, where.pp = pp_rank, pp
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    with PeakMemory(device, tensors=memory_run) as mem:
+        (chunk,) = cut_pipeline_stages(initial_model(cfg), where, cfg.parallel)
+        chunk.to(device)
+        _tp_plan(chunk, mesh["tp"])
+        stage = PipelineStage(chunk, pp_rank, pp, device, group=pp_group)
+        schedule = Schedule1F1B(stage, n_micro, loss_fn=loss_fn)  # grads scaled by 1/n_micro
+        params = list(chunk.parameters())
+        dparams = [p for p in params if isinstance(p, DTensor)]
+        plain = [p for p in params if not isinstance(p, DTensor)]
+        opts = [o for o in (adamw(dparams, cfg) if dparams else None,
+                            adamw(plain, cfg) if plain else None) if o is not None]
+        last = pp_rank == pp - 1
+
+        @torch.no_grad()
+        def sync_and_clip() -> None:
+            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+            if dp > 1:
+                flat = _flatten_dense_tensors(local)
+                dist.all_reduce(flat, group=dp_group)
+                flat.div_(dp)
+                torch._foreach_copy_(local, _unflatten_dense_tensors(flat, local))
+            sharded = torch.zeros((), device=device)
+            replicated = torch.zeros((), device=device)
+            for p, g in zip(params, local):
+                sq = g.float().pow(2).sum()
+                if isinstance(p.grad, DTensor) and any(isinstance(pl, Shard) for pl in p.grad.placements):
+                    sharded += sq
+                else:
+                    replicated += sq
+            if tp > 1:
+                dist.all_reduce(sharded, group=tp_group)
+            total = sharded + replicated
+            if pp > 1:
+                dist.all_reduce(total, group=pp_group)
+            coef = float(torch.clamp(cfg.train.grad_clip / (total.sqrt() + 1e-6), max=1.0))
+            torch._foreach_mul_(local, coef)
+
+        def step(s: int) -> torch.Tensor:
+            x, y = data(s)
+            per = x.shape[0] // dp
+            x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+            for p in params:
+                p.grad = None
+            losses: list = []
+            with loss_parallel():
+                if pp_rank == 0:
+                    schedule.step(x.to(device))
+                elif last:
+                    schedule.step(target=y.to(device), losses=losses)
+                else:
+                    schedule.step()
+            sync_and_clip()
+            for opt in opts:
+                opt.step()
+            loss = torch.zeros((), device=device)
+            if last and tp_rank == 0:
+                loss += torch.stack([v.full_tensor() if isinstance(v, DTensor) else v
+                                     for v in losses]).mean().detach() / dp
+            dist.all_reduce(loss)  # one contribution per dp replica: the mean over the batch
+            return loss
+
+        for s in range(steps):
+            dt, loss = timed(lambda: step(s), device)
+            run.times.append(dt)
+            run.losses.append(float(loss))
+    run.peak = mem.peak
+    return run
