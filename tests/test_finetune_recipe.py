@@ -7,7 +7,9 @@ transformers loads."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +112,7 @@ def test_finetune_recipe_lowers_the_loss_and_leaves_a_hf_folder(hf_model, tmp_pa
     val_tokens = torch.from_numpy(open_dataset(data).split("val")[0:8 * SEQ + 1].astype("int64"))
     windows = torch.stack([val_tokens[i * SEQ:(i + 1) * SEQ + 1] for i in range(8)])  # inputs + next
     before, after = _causal_lm_loss(start, windows), _causal_lm_loss(tuned, windows)
+    assert abs(before - math.log(MODEL_VOCAB)) < 0.05, before  # near uniform, as said above
     assert after < before - 0.3, (before, after)
     # The source's tokenizer went along and is the one the data was prepared with.
     tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -128,6 +131,45 @@ def test_finetune_recipe_names_what_it_needs(hf_model, tmp_path, capsys):
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and "data.source 'prepared' needs data.path" in line
     assert f"--tokenizer {hf_model}" in line  # the prepare-data command to run, with this model
+
+
+def _tokenizer_copy(src: Path, dst: Path, swap: bool) -> Path:
+    """``src``'s tokenizer re-serialised into ``dst``; with ``swap``, two ordinary tokens
+    trade ids (the same size and merges, so only the id check can tell)."""
+    spec = json.loads((src / "tokenizer.json").read_text())
+    if swap:
+        vocab = spec["model"]["vocab"]
+        a, b = (t for t, i in vocab.items() if i in (100, 101))
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+    dst.mkdir()
+    (dst / "tokenizer.json").write_text(json.dumps(spec, indent=1))
+    (dst / "tokenizer_config.json").write_text((src / "tokenizer_config.json").read_text())
+    return dst
+
+
+def test_finetune_data_must_use_the_models_token_ids(hf_model, tmp_path, capsys):
+    """Data tokenized with another tokenizer of the same size passes the vocabulary check
+    and would train on ids that mean other tokens: it is refused before any worker starts.
+    A byte-different copy of the model's own tokenizer (same ids) is accepted."""
+    from parallel3d.data.prepare import prepare_data
+    from parallel3d.data.tokenizer import check_same_tokenizer
+
+    (tmp_path / "in.txt").write_text("def f(x):\n    return x + 1\n" * 200)
+    other = _tokenizer_copy(hf_model, tmp_path / "other", swap=True)
+    prepare_data([str(tmp_path / "in.txt")], other, tmp_path / "data", workers=1, progress=False)
+    assert cli_main(["train", str(RECIPE), f"--model.hf_checkpoint={hf_model}",
+                     f"--data.path={tmp_path / 'data'}", "--train.seq_len=32",
+                     f"--run.dir={tmp_path / 'run'}"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert "\n" not in line and "was tokenized with another tokenizer than model.hf_checkpoint" in line
+    assert "2 of its 300 tokens have another id" in line and f"--tokenizer {hf_model}" in line
+    assert not (tmp_path / "run").exists()  # no worker started
+    same = _tokenizer_copy(hf_model, tmp_path / "same", swap=False)
+    prepare_data([str(tmp_path / "in.txt")], same, tmp_path / "data_same", workers=1, progress=False)
+    data_same = open_dataset(tmp_path / "data_same")
+    model_sha = hashlib.sha256((hf_model / "tokenizer.json").read_bytes()).hexdigest()
+    assert data_same.index["tokenizer"]["sha256"] != model_sha  # the comparison of ids ran
+    check_same_tokenizer(data_same, hf_model)
 
 
 def test_finetune_recipe_fits_an_h100_for_llama31_8b(tmp_path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError, did_you_mean
-from parallel3d.models.llama import LlamaConfig, config_from_preset
+from parallel3d.models.llama import PRESETS, LlamaConfig, config_from_preset
 from parallel3d.models.llama.parallelize import check_tensor_parallel
 from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
@@ -33,7 +33,8 @@ def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
         model_cfg = config_from_preset(cfg.preset, **overrides)
         model_cfg.validate()
     except ValueError as e:
-        raise UserError(str(e)) from None
+        hint = " or 'hf' (with model.hf_checkpoint)" if cfg.preset not in PRESETS else ""
+        raise UserError(f"{e}{hint}") from None
     return model_cfg
 
 
