@@ -182,4 +182,6 @@ def test_finetune_recipe_fits_an_h100_for_llama31_8b(tmp_path):
     assert lines[0].startswith("dry run: 8 ranks (1 node x 8), model 8.030B parameters")
     worst = max(s.peak for s in found["stages"])
     assert worst * (1 + FRAGMENTATION) <= usable_bytes(gpu_named("h100-80g"))
-    assert 60 * 2**30 < worst < 75 * 2**30, worst / 2**30  # the 68.7 GiB the recipe's comment quotes
+    # the 68.7 GiB (margin included) the recipe's comment quotes: if the planner's memory
+    # model changes, the comment has to change with it
+    assert abs(worst * (1 + FRAGMENTATION) / 2**30 - 68.7) < 0.1, worst / 2**30
