@@ -55,6 +55,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 
     corpus = prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
     check_vocab(corpus.vocab_size, resolve_model_config(cfg.model))
+    if cfg.model.hf_checkpoint:
+        from parallel3d.data.tokenizer import check_same_tokenizer
+
+        check_same_tokenizer(corpus, cfg.model.hf_checkpoint)
     return launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
 
 

@@ -33,7 +33,7 @@ class ModelConfig:
     Fields left as None take the preset's value (see ``parallel3d.models.llama.PRESETS``).
     """
 
-    preset: str = "debug"
+    preset: str = "debug"  # or "hf": the model is model.hf_checkpoint (required then)
     vocab_size: int | None = None
     dim: int | None = None
     n_layers: int | None = None
@@ -97,7 +97,8 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     # "stdlib": the running Python's standard-library sources, tokenized with a byte-level
-    # BPE trained on them (every machine has this corpus).
+    # BPE trained on them (every machine has this corpus). "prepared": data.path is
+    # required (fine-tuning: never fall back to the demo corpus).
     source: str = "stdlib"
     max_bytes: int = 8_000_000  # how much of the corpus to read
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 
 def tiny_job(corpus_dir: str, run_dir: str, **sections) -> dict:
@@ -41,3 +42,22 @@ def job_args(job: dict) -> list[str]:
 def relative_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+# Llama 3.1 8B's published config.json, the model the recipe's layout is sized for.
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+def write_llama31_8b_config(folder: Path) -> Path:
+    """A folder with only config.json: all the dry run reads (no weight is allocated)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(LLAMA31_8B))
+    return folder

@@ -15,12 +15,28 @@ from parallel3d.planner.hardware import FRAGMENTATION, gpu_named, usable_bytes
 from parallel3d.train.dryrun import dry_run
 from parallel3d.train.setup import job_world_size
 
+from helpers import write_llama31_8b_config
+
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.toml"))
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_recipe_dry_runs_at_its_world_size(recipe):
+def user_inputs(recipe: Path, tmp_path: Path) -> list[str]:
+    """What the user must give on the command line to a recipe that names no model or data
+    of its own (finetune_hf): a model folder for model.preset "hf" (the dry run reads only
+    its config.json; here Llama 3.1 8B's, the largest model such a one-node recipe is sized
+    for) and a dataset path for data.source "prepared" (a dry run does not read it)."""
     cfg = load_config(recipe)
+    args = []
+    if cfg.model.preset == "hf" and not cfg.model.hf_checkpoint:
+        args.append(f"--model.hf_checkpoint={write_llama31_8b_config(tmp_path / 'model')}")
+    if cfg.data.source == "prepared" and not cfg.data.path:
+        args.append(f"--data.path={tmp_path / 'data'}")
+    return args
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_recipe_dry_runs_at_its_world_size(recipe, tmp_path):
+    cfg = load_config(recipe, user_inputs(recipe, tmp_path))
     world = job_world_size(cfg)
     lines = []
     t0 = time.perf_counter()

@@ -222,6 +222,10 @@ class Checkpointer:
                 from .convert import convert
 
                 convert(self.root, self.export_dir, to="hf", progress=False)
+                if self.job.model.hf_checkpoint:  # fine-tuned: the source's tokenizer goes along
+                    from .hf import copy_companion_files
+
+                    copy_companion_files(self.job.model.hf_checkpoint, self.export_dir)
             if self.group is not None:
                 dist.barrier(group=self.group)
         if self.reader is not None:

@@ -136,6 +136,23 @@ class HFFolder:
             f.close()
 
 
+# What a fine-tuned export needs from its source folder besides the weights: the tokenizer
+# (transformers' fast and sentencepiece forms) and the generation defaults.
+COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
+
+
+def copy_companion_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy :data:`COMPANION_FILES` that ``src`` has into ``dst``; returns their names."""
+    src, dst = Path(src), Path(dst)
+    copied = []
+    for name in COMPANION_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+            copied.append(name)
+    return copied
+
+
 def hf_order(names: list[str]) -> list[str]:
     """Embedding, layers in numeric order, final norm, head: the order of the model."""
     def key(n: str):

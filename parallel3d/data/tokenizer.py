@@ -70,3 +70,42 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None) -> TokenizerS
     vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     sha = hashlib.sha256(json_path.read_bytes()).hexdigest()
     return TokenizerSpec(d, json_path, eos_token, eos_id, vocab_size, sha)
+
+
+def _vocab(json_path: Path) -> dict[str, int]:
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(json_path)).get_vocab(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 - the library raises a bare Exception
+        raise UserError(f"tokenizer '{json_path}' cannot be read: {str(e).splitlines()[0]}") from None
+
+
+def check_same_tokenizer(dataset, model_dir: str | Path) -> None:
+    """Refuse a dataset whose token ids mean other tokens than the model's tokenizer's.
+
+    ``dataset`` is a :class:`~parallel3d.data.format.PreparedDataset`; ``model_dir`` a
+    Hugging Face model folder (fine-tuning). The index records the sha256 of the
+    tokenizer.json the data was made with and keeps a copy of it: the same file passes at
+    once, another file passes if it maps every token to the same id (a re-serialised copy).
+    A model folder without tokenizer.json cannot be checked here (only the vocabulary
+    size is, by the trainer)."""
+    model_dir = Path(model_dir)
+    model_json = model_dir / "tokenizer.json"
+    if not model_json.is_file():
+        return
+    recorded = dataset.index.get("tokenizer", {})
+    if hashlib.sha256(model_json.read_bytes()).hexdigest() == recorded.get("sha256"):
+        return
+    fix = f"prepare the data again with --tokenizer {model_dir}"
+    data_json = Path(dataset.dir) / recorded.get("dir", "tokenizer") / "tokenizer.json"
+    if not data_json.is_file():
+        raise UserError(f"data.path '{dataset.dir}' was tokenized with another tokenizer.json than "
+                        f"model.hf_checkpoint's (sha256 differs, and the dataset keeps no copy to "
+                        f"compare): {fix}")
+    theirs, mine = _vocab(data_json), _vocab(model_json)
+    differ = sum(1 for token, i in theirs.items() if mine.get(token) != i)
+    if differ:
+        raise UserError(f"data.path '{dataset.dir}' was tokenized with another tokenizer than "
+                        f"model.hf_checkpoint '{model_dir}': {differ} of its {len(theirs)} tokens have "
+                        f"another id or none in the model's tokenizer.json: {fix}")

@@ -22,6 +22,7 @@ from parallel3d.data.format import PreparedDataset, open_dataset
 from parallel3d.data.loader import PrefetchLoader
 from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
 from parallel3d.data.stdlib import EOS, prepare_stdlib
+from parallel3d.data.tokenizer import check_same_tokenizer
 from parallel3d.distributed import local_rank
 from parallel3d.errors import UserError
 from parallel3d.topology import Topology
@@ -68,6 +69,8 @@ def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
         raise UserError(f"the dataset's vocabulary ({dataset.vocab_size}) exceeds model.vocab_size "
                         f"{model_vocab}: raise model.vocab_size, or lower data.vocab_size (stdlib) "
                         "or prepare the data with a smaller tokenizer")
+    if cfg.model.hf_checkpoint:  # fine-tuning: the ids must mean the model's tokens
+        check_same_tokenizer(dataset, cfg.model.hf_checkpoint)
     train = cfg.train
     windows = TokenWindows(dataset.split("train"), train.seq_len, what="the training split")
     sampler = GlobalBatchSampler(windows.num_samples, train.global_batch, train.micro_batch,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError, did_you_mean
-from parallel3d.models.llama import LlamaConfig, config_from_preset
+from parallel3d.models.llama import PRESETS, LlamaConfig, config_from_preset
 from parallel3d.models.llama.parallelize import check_tensor_parallel
 from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
@@ -24,12 +24,17 @@ from parallel3d.topology import validate_layout
 def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
     if cfg.hf_checkpoint:
         return _model_config_from_hf(cfg)
+    if cfg.preset == "hf":
+        raise UserError("model.preset 'hf' takes the model from a Hugging Face folder: set "
+                        "model.hf_checkpoint (--model.hf_checkpoint=DIR, a folder with config.json "
+                        "and *.safetensors)")
     overrides = {k: v for k, v in asdict(cfg).items() if k != "preset"}
     try:
         model_cfg = config_from_preset(cfg.preset, **overrides)
         model_cfg.validate()
     except ValueError as e:
-        raise UserError(str(e)) from None
+        hint = " or 'hf' (with model.hf_checkpoint)" if cfg.preset not in PRESETS else ""
+        raise UserError(f"{e}{hint}") from None
     return model_cfg
 
 
@@ -64,6 +69,7 @@ def _positive(name: str, value) -> None:
 
 def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     """Raise :class:`UserError` naming the numbers for anything that cannot run."""
+    check_data_source(cfg)  # first: a missing input matters more than any size
     par, train = cfg.parallel, cfg.train
     for name in ("steps", "global_batch", "micro_batch", "seq_len", "lr"):
         _positive(f"train.{name}", getattr(train, name))
@@ -118,6 +124,21 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
     check_reliability(cfg)
+
+
+def check_data_source(cfg: JobConfig) -> None:
+    """``data.source``: "stdlib" (the demo corpus, unless data.path is set) or "prepared"
+    (data.path is required: a fine-tuning run must not fall back to the demo corpus, whose
+    ids mean nothing to a pretrained model)."""
+    data = cfg.data
+    if data.source not in ("stdlib", "prepared"):
+        raise UserError(f"data.source '{data.source}' is not supported: use 'stdlib', or 'prepared' "
+                        "with data.path set to a dataset made by `parallel3d prepare-data`")
+    if data.source == "prepared" and not data.path:
+        tokenizer = cfg.model.hf_checkpoint or "MODEL_DIR"
+        raise UserError(f"data.source 'prepared' needs data.path: make a dataset with `parallel3d "
+                        f"prepare-data INPUTS --tokenizer {tokenizer} --out DATA_DIR` and pass "
+                        "--data.path=DATA_DIR")
 
 
 def check_reliability(cfg: JobConfig) -> None:
