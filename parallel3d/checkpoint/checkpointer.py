@@ -221,7 +221,7 @@ class Checkpointer:
             if self.topo.rank == 0:
                 from .convert import convert
 
-                convert(self.root, self.export_dir, to="hf", progress=False)
+                convert(self.root, self.export_dir, to="hf", progress=False, overwrite=True)
             if self.group is not None:
                 dist.barrier(group=self.group)
         if self.reader is not None:
