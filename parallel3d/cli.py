@@ -61,7 +61,10 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from parallel3d.checkpoint.convert import convert
 
-    max_bytes = int(float(args.max_shard_gb) * 2**30)
+    try:
+        max_bytes = int(float(args.max_shard_gb) * 2**30)
+    except (ValueError, OverflowError):
+        raise UserError(f"--max-shard-gb expects a number of GiB, got '{args.max_shard_gb}'") from None
     if max_bytes <= 0:
         raise UserError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     convert(args.src, args.dst, args.to, config=args.config, dtype=args.dtype,

@@ -39,15 +39,20 @@ def open_source(path: str | Path, config: str | Path | None = None):
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"convert: {path} is not a folder")
-    if is_hf_folder(path):
-        return HFFolder(path)
+    if config is not None and not Path(config).is_file():
+        raise UserError(f"convert --config '{config}' is not a file: give the model's config.json")
     from .deepspeed import find_deepspeed_dir
 
-    ds = find_deepspeed_dir(path)
+    ds = None if is_hf_folder(path) else find_deepspeed_dir(path)
     if ds is not None:
         from .deepspeed import DeepSpeedCheckpoint
 
         return DeepSpeedCheckpoint(ds, config)
+    if config is not None:
+        raise UserError(f"convert --config is for a DeepSpeed source; {path} carries its own "
+                        "model config: leave --config out")
+    if is_hf_folder(path):
+        return HFFolder(path)
     found = find_checkpoint(path)  # a broken ``latest`` is this folder's error, said as such
     if found is not None:
         return CheckpointReader(found)
