@@ -160,3 +160,37 @@ def test_killed_worker_restarts_from_the_last_checkpoint_with_the_same_losses(co
     for key in ("loss", "grad_norm", "lr"):
         assert [r[key] for r in got] == [r[key] for r in want], key
         assert [r[key] for r in moved] == [r[key] for r in want[seen["checkpoint"]:seen["logged"]]], key
+
+
+def test_fresh_namespace_ignores_what_an_earlier_attempt_left_in_the_store():
+    """Three ranks agree on a prefix no earlier attempt used, although the store holds a
+    previous attempt's asks, answers and namespace (as torchrun's shared store does)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from parallel3d.distributed import fresh_namespace
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def attempt() -> list[str]:
+        got = [None] * 3
+
+        def rank(r):
+            client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+            got[r] = fresh_namespace(client, r, 3, timeout_s=30)
+
+        # ranks 1 and 2 first: they must not take the earlier attempt's answers
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (2, 1, 0)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join(60)
+        return got
+
+    first = attempt()
+    second = attempt()
+    assert len(set(first)) == 1 and len(set(second)) == 1, (first, second)
+    assert first[0] != second[0]
+    assert server.check([f"{second[0]}/joined/1", f"{second[0]}/joined/2"])
