@@ -397,3 +397,19 @@ def test_controls_the_unspoiled_originals_convert(originals, tmp_path, capsys):
     root = _p3d(originals, tmp_path)
     assert main(["convert", str(root), str(tmp_path / "hf"), "--to", "hf"]) == 0
     assert main(["convert", str(originals["hf"]), str(tmp_path / "p3d"), "--to", "parallel3d"]) == 0
+
+
+def test_the_package_has_no_unsafe_loader():
+    """A guard for new code: no pickle loads, no torch.load without weights_only=True, no
+    trust_remote_code anywhere in parallel3d/ or models/."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    offenders = []
+    for path in [*(root / "parallel3d").rglob("*.py"), *(root / "models").rglob("*.py")]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if re.search(r"\bpickle\.loads?\(|\bmarshal\.loads?\(|trust_remote_code\s*=\s*True", code) or \
+                    ("torch.load(" in code and "weights_only=True" not in code):
+                offenders.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not offenders, offenders
