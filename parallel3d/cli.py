@@ -65,11 +65,14 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from parallel3d.checkpoint.convert import convert
 
-    max_bytes = int(float(args.max_shard_gb) * 2**30)
+    try:
+        max_bytes = int(float(args.max_shard_gb) * 2**30)
+    except (ValueError, OverflowError):
+        raise UserError(f"--max-shard-gb expects a number of GiB, got '{args.max_shard_gb}'") from None
     if max_bytes <= 0:
         raise UserError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
     convert(args.src, args.dst, args.to, config=args.config, dtype=args.dtype,
-            verify=not args.no_verify, max_shard_bytes=max_bytes)
+            verify=not args.no_verify, max_shard_bytes=max_bytes, overwrite=args.overwrite)
     return 0
 
 
@@ -154,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="cast the weights (default: keep the source's dtype)")
     conv.add_argument("--max-shard-gb", default="5", help="largest output file, GiB (default 5)")
     conv.add_argument("--no-verify", action="store_true", help="skip reading the output back")
+    conv.add_argument("--overwrite", action="store_true", help="replace a DST that is not empty")
     _add_prepare_data(sub)
     return parser
 

@@ -3,12 +3,15 @@
 A worker is started by ``torchrun`` (or our own elastic launch, which sets the same
 variables): ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
 ``MASTER_PORT``. Those (and ``LOCAL_SIZE``, which DeepSpeed's launcher sets instead of
-``LOCAL_WORLD_SIZE``) are the only environment variables parallel3d reads.
+``LOCAL_WORLD_SIZE``, and ``TORCHELASTIC_USE_AGENT_STORE``, which torchrun sets when its
+agent hosts the store) are the only environment variables parallel3d reads.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import time
 from datetime import timedelta
 
 import torch
@@ -48,10 +51,66 @@ def device_for(backend: str) -> torch.device:
 
 
 def init_from_env(backend: str, timeout_s: float = 600.0) -> None:
-    """Join the process group described by torchrun's environment variables."""
+    """Join the process group described by torchrun's environment variables.
+
+    Under torchrun's shared store (``TORCHELASTIC_USE_AGENT_STORE=True``, its default with
+    the c10d rendezvous) the agent keeps one TCPStore for all restarts, so the keys the
+    workers of an earlier attempt wrote (gloo's and NCCL's addresses, our heartbeats) are
+    still there when the restarted workers look for their peers': a rank can read a dead
+    peer's address and fail to connect (pytorch/pytorch#135712, #167288). The workers of
+    one attempt therefore agree on a fresh key prefix first (:func:`fresh_namespace`) and
+    build the process group inside it.
+    """
     if dist.is_initialized():
         return
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                world_size=world, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(fresh_namespace(agent_store, rank, world, timeout_s), agent_store)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def fresh_namespace(store, rank: int, world: int, timeout_s: float, poll_s: float = 0.005) -> str:
+    """A key prefix that no earlier user of ``store`` has written under, the same on all
+    ``world`` ranks of this attempt, however many stale keys earlier attempts left.
+
+    Rank 0 draws the prefix from a counter in the store (``add`` is atomic, so it is new).
+    Every other rank asks for it under a random nonce of its own and waits for the answer
+    under a key derived from that nonce -- a key nobody wrote before, so it cannot be
+    read stale. Rank 0 answers each nonce it finds until every rank has acknowledged
+    under the new prefix (a nonce left by a dead worker of an earlier attempt gets an
+    answer nobody reads).
+    """
+    if world == 1:
+        return f"parallel3d/attempt_{store.add('parallel3d/attempts', 1)}"
+    if rank != 0:
+        nonce = secrets.token_hex(8)
+        store.set(f"parallel3d/ask/{rank}", nonce)
+        namespace = store.get(f"parallel3d/answer/{rank}/{nonce}").decode()  # waits (store timeout)
+        store.set(f"{namespace}/joined/{rank}", "1")
+        return namespace
+    namespace = f"parallel3d/attempt_{store.add('parallel3d/attempts', 1)}"
+    pending, answered = set(range(1, world)), set()
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        for r in sorted(pending):
+            if store.check([f"{namespace}/joined/{r}"]):
+                pending.discard(r)
+            elif store.check([f"parallel3d/ask/{r}"]):
+                nonce = store.get(f"parallel3d/ask/{r}").decode()
+                if (r, nonce) not in answered:
+                    store.set(f"parallel3d/answer/{r}/{nonce}", namespace)
+                    answered.add((r, nonce))
+        if pending and time.monotonic() > deadline:
+            raise RuntimeError(f"ranks {sorted(pending)} did not join the process group within "
+                               f"{timeout_s:g} s (reliability.comm_timeout_s)")
+        if pending:
+            time.sleep(poll_s)
+    return namespace
 
 
 def set_cpu_threads(threads_per_proc: int) -> None:

@@ -3,8 +3,10 @@
 Each row is ``(subcommand argv, files to create, expected substring)``; ``{tmp}`` in an
 argument is the row's temporary directory and ``{corpus}`` the session's corpus cache.
 ``files`` maps a name under ``{tmp}`` to bytes (a file), ``"dir"`` (a directory) or
-``("link", target)`` (a symlink). Rows for other subcommands (convert, prepare-data,
-report, plan) go in the same table with their own argv.
+``("link", target)`` (a symlink); ``{tokenizer}`` is the corpus's tokenizer folder. Rows
+for the other subcommands (convert, prepare-data, report, plan) are in the same table with
+their own argv. No row may change the files it was given (a refused ``convert`` keeps a
+non-empty DST as it was).
 
 The rows call ``parallel3d.cli.main`` in-process (the console script is
 ``sys.exit(main())``), so a traceback would surface as an exception and fail the row;
@@ -13,9 +15,11 @@ The rows call ``parallel3d.cli.main`` in-process (the console script is
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -105,9 +109,98 @@ ROWS = [
 ]
 
 
+# -- the other entry points: a minimal Llama config.json and a few made-up ones
+LLAMA = json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 512,
+                    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "intermediate_size": 160}).encode()
+GPT2 = json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 64}).encode()
+REMOTE = json.dumps({**json.loads(LLAMA), "auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}).encode()
+
+
+def _plan(*extra: str, **options: str) -> list[str]:
+    """``plan`` of an 8-GPU node; ``options`` replace the defaults (``gpus_per_node=...``)."""
+    values = {"gpus": "8", "gpus_per_node": "8", "gpu": "h100-80g", "seq_len": "2048",
+              "global_batch": "64", "model": "8b", **options}
+    return ["plan", *[a for k, v in values.items() for a in (f"--{k.replace('_', '-')}", v)], *extra]
+
+
+OTHER_ROWS = [
+    # -- convert
+    ("convert-missing-source", ["convert", "{tmp}/nope", "{tmp}/out", "--to", "hf"], {},
+     "convert: {tmp}/nope is not a folder"),
+    ("convert-not-a-checkpoint", ["convert", "{tmp}/src", "{tmp}/out", "--to", "hf"],
+     {"src/notes.txt": b"hello"}, "{tmp}/src is neither a Hugging Face folder"),
+    ("convert-unsupported-architecture", ["convert", "{tmp}/src", "{tmp}/out", "--to", "parallel3d"],
+     {"src/config.json": GPT2}, "unsupported Hugging Face architecture ['GPT2LMHeadModel']"),
+    ("convert-remote-code", ["convert", "{tmp}/src", "{tmp}/out", "--to", "parallel3d"],
+     {"src/config.json": REMOTE, "src/modeling_x.py": b"raise SystemExit('imported')\n"},
+     "parallel3d never runs code from a model folder"),
+    ("convert-pickled-bin", ["convert", "{tmp}/src", "{tmp}/out", "--to", "parallel3d"],
+     {"src/config.json": LLAMA, "src/pytorch_model.bin": b"\x80\x04."},
+     "holds pickled *.bin weights: parallel3d reads only safetensors"),
+    ("convert-to-typo", ["convert", "{tmp}/src", "{tmp}/out", "--to", "hff"], {"src": "dir"},
+     "argument --to: invalid choice: 'hff'"),
+    ("convert-dtype-typo", ["convert", "{tmp}/src", "{tmp}/out", "--to", "hf", "--dtype", "fp8"],
+     {"src": "dir"}, "argument --dtype: invalid choice: 'fp8'"),
+    ("convert-dst-not-empty", ["convert", "{tmp}/src", "{tmp}/out", "--to", "hf"],
+     {"src/config.json": LLAMA, "out/config.json": b"{}", "out/keep.txt": b"precious"},
+     "convert: {tmp}/out exists and is not empty: choose a new DST (or --overwrite to replace it)"),
+    ("convert-dst-is-file", ["convert", "{tmp}/src", "{tmp}/out", "--to", "parallel3d"],
+     {"src/config.json": LLAMA, "out": b"precious"}, "convert: {tmp}/out exists and is a file"),
+    ("convert-max-shard", ["convert", "{tmp}/src", "{tmp}/out", "--to", "hf", "--max-shard-gb=abc"],
+     {"src": "dir"}, "--max-shard-gb expects a number of GiB, got 'abc'"),
+    ("convert-config-missing", ["convert", "{tmp}/src", "{tmp}/out", "--to", "hf", "--config",
+                                "{tmp}/nope.json"], {"src": "dir"}, "convert --config '{tmp}/nope.json' is not a file"),
+    ("convert-missing-to", ["convert", "{tmp}/src", "{tmp}/out"], {}, "the following arguments are required: --to"),
+    # -- prepare-data
+    ("prepare-missing-input", ["prepare-data", "{tmp}/nope.txt", "--tokenizer", "{tokenizer}",
+                               "--out", "{tmp}/out"], {}, "input '{tmp}/nope.txt' not found"),
+    ("prepare-tokenizer-missing", ["prepare-data", "{tmp}/in.txt", "--tokenizer", "{tmp}/tok",
+                                   "--out", "{tmp}/out"], {"in.txt": b"hello"}, "tokenizer '{tmp}/tok' not found"),
+    ("prepare-tokenizer-without-json", ["prepare-data", "{tmp}/in.txt", "--tokenizer", "{tmp}/tok",
+                                        "--out", "{tmp}/out"], {"in.txt": b"hello", "tok": "dir"},
+     "tokenizer folder '{tmp}/tok' has no tokenizer.json"),
+    ("prepare-out-is-file", ["prepare-data", "{tmp}/in.txt", "--tokenizer", "{tokenizer}",
+                             "--out", "{tmp}/f"], {"in.txt": b"hello", "f": b"precious"},
+     "--out '{tmp}/f' is a file: give a directory for the dataset"),
+    ("prepare-out-under-file", ["prepare-data", "{tmp}/in.txt", "--tokenizer", "{tokenizer}",
+                                "--out", "{tmp}/f/data"], {"in.txt": b"hello", "f": b"precious"},
+     "--out '{tmp}/f/data' cannot be created: Not a directory"),
+    ("prepare-val-fraction", ["prepare-data", "{tmp}/in.txt", "--tokenizer", "{tokenizer}", "--out",
+                              "{tmp}/out", "--val-fraction", "2"], {"in.txt": b"hello"},
+     "--val-fraction must be in [0, 1), got 2.0"),
+    ("prepare-workers", ["prepare-data", "{tmp}/in.txt", "--tokenizer", "{tokenizer}", "--out",
+                         "{tmp}/out", "--workers", "0"], {"in.txt": b"hello"}, "--workers must be at least 1, got 0"),
+    # -- report
+    ("report-missing-run", ["report", "{tmp}/nope"], {}, "{tmp}/nope/metrics.jsonl does not exist"),
+    ("report-run-is-file", ["report", "{tmp}/f"], {"f": b"x"}, "'{tmp}/f' is a file"),
+    ("report-not-metrics", ["report", "{tmp}/run"], {"run/metrics.jsonl": b"step 1 loss 2\nstep 2\n"},
+     "{tmp}/run/metrics.jsonl line 1 is not JSON"),
+    ("report-foreign-records", ["report", "{tmp}/run"], {"run/metrics.jsonl": b'{"epoch": 1}\n'},
+     "line 1 is not a parallel3d step record"),
+    ("report-no-steps", ["report", "{tmp}/run"], {"run/metrics.jsonl": b""}, "metrics.jsonl holds no steps yet"),
+    # -- plan
+    ("plan-unknown-model", _plan(model="huge"), {}, "--model 'huge' is neither a preset"),
+    ("plan-unsupported-architecture", _plan(model="{tmp}/config.json"), {"config.json": GPT2},
+     "unsupported Hugging Face architecture ['GPT2LMHeadModel']"),
+    ("plan-gpu-typo", _plan(gpu="h99"), {},
+     "argument --gpu: invalid choice: 'h99'"),
+    ("plan-partial-node", _plan(gpus="12"), {},
+     "--gpus 12 is not a whole number of nodes of 8"),
+    ("plan-seq-len", _plan(seq_len="0"), {}, "--seq-len must be at least 1, got 0"),
+    ("plan-recipe-is-dir", _plan("--write-recipe", "{tmp}/d"), {"d": "dir"},
+     "--write-recipe '{tmp}/d' is a directory"),
+    ("plan-calibrate-missing", _plan("--calibrate", "{tmp}/run"), {},
+     "calibration needs {tmp}/run/metrics.jsonl"),
+    ("plan-missing-args", ["plan", "--model", "8b"], {}, "the following arguments are required: --gpus"),
+]
+ROWS += OTHER_ROWS
+
+
 def _materialize(tmp_path, files: dict) -> None:
     for name, content in files.items():
         path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
         if content == "dir":
             path.mkdir()
         elif isinstance(content, tuple):
@@ -117,7 +210,16 @@ def _materialize(tmp_path, files: dict) -> None:
 
 
 def _fill(text: str, tmp_path, corpus_dir: str) -> str:
-    return text.replace("{tmp}", str(tmp_path)).replace("{corpus}", corpus_dir)
+    text = text.replace("{tmp}", str(tmp_path)).replace("{corpus}", corpus_dir)
+    if "{tokenizer}" in text:  # the session corpus's tokenizer folder
+        text = text.replace("{tokenizer}", str(next(Path(corpus_dir).glob("*/tokenizer"))))
+    return text
+
+
+def _untouched(tmp_path, files: dict) -> list[str]:
+    """The given files a row changed (none may be: a refused command writes nothing)."""
+    return [name for name, content in files.items()
+            if isinstance(content, bytes) and (tmp_path / name).read_bytes() != content]
 
 
 def _argv(argv: list[str], tmp_path, corpus_dir: str) -> list[str]:
@@ -146,13 +248,21 @@ def test_bad_input(name, argv, files, needle, tmp_path, corpus_dir, capsys):
     assert _fill(needle, tmp_path, corpus_dir) in lines[0], err
     assert "Traceback" not in err
     assert seconds < 20, seconds
+    assert not _untouched(tmp_path, files)
+    if name.startswith("convert-"):
+        assert not (tmp_path / "out").is_dir() or sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+            sorted(n.split("/", 1)[1] for n in files if n.startswith("out/")), "convert wrote output"
 
 
 def test_table_is_wide_enough():
     assert len({r[0] for r in ROWS}) == len(ROWS) >= 25
+    commands = {r[1][0] for r in ROWS}
+    assert {"train", "convert", "prepare-data", "report", "plan"} <= commands, commands
 
 
-@pytest.mark.parametrize("name", ["recipe-not-utf8", "unknown-subcommand", "cache-dir-is-file"])
+@pytest.mark.parametrize("name", ["recipe-not-utf8", "unknown-subcommand", "cache-dir-is-file",
+                                  "convert-dst-not-empty", "convert-unsupported-architecture",
+                                  "prepare-out-is-file", "report-not-metrics", "plan-recipe-is-dir"])
 def test_bad_input_in_a_fresh_process(name, tmp_path, corpus_dir):
     """The same rows through the console entry point: status, one line, no traceback."""
     _, argv, files, needle = next(r for r in ROWS if r[0] == name)
@@ -166,3 +276,4 @@ def test_bad_input_in_a_fresh_process(name, tmp_path, corpus_dir):
     assert len(lines) == 1 and _fill(needle, tmp_path, corpus_dir) in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert time.monotonic() - t0 < 20
+    assert not _untouched(tmp_path, files)

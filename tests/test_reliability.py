@@ -155,7 +155,7 @@ def test_stalled_rank_makes_the_others_exit_naming_op_and_group(corpus_dir, tmp_
     for rank in (1, 2):
         assert "did not arrive: rank 3 at step 3 in forward/backward |" in results[rank][0], results[rank][0]
     # nobody is taken for dead: every process is alive, the stalled one included
-    assert all("lost" not in results[r][0] for r in (0, 1, 2))
+    assert all("lost" not in results[r][0] for r in (0, 1, 2)), [results[r][0] for r in (0, 1, 2)]
     assert "who was where: 0: step 3" in results[0][0]
 
 

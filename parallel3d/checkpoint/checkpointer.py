@@ -221,7 +221,7 @@ class Checkpointer:
             if self.topo.rank == 0:
                 from .convert import convert
 
-                convert(self.root, self.export_dir, to="hf", progress=False)
+                convert(self.root, self.export_dir, to="hf", progress=False, overwrite=True)
                 if self.job.model.hf_checkpoint:  # fine-tuned: the source's tokenizer goes along
                     from .hf import copy_companion_files
 

@@ -39,21 +39,25 @@ def open_source(path: str | Path, config: str | Path | None = None):
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"convert: {path} is not a folder")
-    if is_hf_folder(path):
-        return HFFolder(path)
+    if config is not None and not Path(config).is_file():
+        raise UserError(f"convert --config '{config}' is not a file: give the model's config.json")
     from .deepspeed import find_deepspeed_dir
 
-    ds = find_deepspeed_dir(path)
+    ds = None if is_hf_folder(path) else find_deepspeed_dir(path)
     if ds is not None:
         from .deepspeed import DeepSpeedCheckpoint
 
         return DeepSpeedCheckpoint(ds, config)
-    try:
-        found = find_checkpoint(path)
-    except CheckpointError:
-        found = None
+    if config is not None:
+        raise UserError(f"convert --config is for a DeepSpeed source; {path} carries its own "
+                        "model config: leave --config out")
+    if is_hf_folder(path):
+        return HFFolder(path)
+    found = find_checkpoint(path)  # a broken ``latest`` is this folder's error, said as such
     if found is not None:
         return CheckpointReader(found)
+    if (path / "config.json").is_file():
+        return HFFolder(path)  # a model folder without usable weights: its own clear error
     raise UserError(f"convert: {path} is neither a Hugging Face folder (config.json + "
                     "model.safetensors[.index.json]), a parallel3d checkpoint (index.json or "
                     "latest) nor a DeepSpeed checkpoint (latest + mp_rank_00_model_states.pt)")
@@ -157,17 +161,26 @@ def _verify(source, written, names: list[str], dtype_of) -> None:
 
 def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | None = None,
             dtype: str | None = None, verify: bool = True, progress: bool = True,
-            max_shard_bytes: int = 5 * 2**30) -> dict:
-    """Convert ``src`` to format ``to`` ("hf" or "parallel3d") at ``dst``; returns a summary."""
+            max_shard_bytes: int = 5 * 2**30, overwrite: bool = False) -> dict:
+    """Convert ``src`` to format ``to`` ("hf" or "parallel3d") at ``dst``; returns a summary.
+
+    A ``dst`` that exists and is not empty is refused before anything is read or written,
+    unless ``overwrite`` (the trainer's ``checkpoint.export_hf`` rewrites its own export)."""
     if to not in ("hf", "parallel3d"):
         raise UserError(f"convert --to '{to}': choose hf or parallel3d")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"convert --dtype '{dtype}': choose one of {sorted(DTYPES)}")
     cast = DTYPES.get(dtype) if dtype else None
-    source = open_source(src, config)
     dst = Path(dst)
-    if to == "hf" and dst.exists() and any(dst.iterdir()) and not is_hf_folder(dst):
-        raise UserError(f"convert: {dst} exists and is not a Hugging Face folder: choose a new DST")
+    if dst.exists() and not dst.is_dir():
+        raise UserError(f"convert: {dst} exists and is a file: choose a new DST folder")
+    if dst.exists() and any(dst.iterdir()):
+        if not overwrite:
+            raise UserError(f"convert: {dst} exists and is not empty: choose a new DST "
+                            "(or --overwrite to replace it)")
+        if to == "hf" and not is_hf_folder(dst):
+            raise UserError(f"convert: {dst} exists and is not a Hugging Face folder: choose a new DST")
+    source = open_source(src, config)
     names = [n for n in source.names() if to == "parallel3d" or n.startswith("model/")]
     total = sum(_nbytes(*source.spec(n)) for n in names)
     bar = Progress(total, f"convert -> {to}", enabled=progress)

@@ -100,9 +100,15 @@ def _find_config(folder: Path, config: str | Path | None) -> dict:
     for c in candidates:
         if c.is_file():
             try:
-                return json.loads(c.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as e:
+                hf = json.loads(c.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"{c} cannot be read: {e}") from None
+            if not isinstance(hf, dict):
+                raise CheckpointError(f"{c} is not a JSON object")
+            from .hf import check_no_remote_code
+
+            check_no_remote_code(hf, c)
+            return hf
     raise UserError(f"convert: the DeepSpeed checkpoint {folder} has no config.json beside or above "
                     "it: give the model's Hugging Face config.json with --config")
 
@@ -119,6 +125,9 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.folder} was saved with tensor or pipeline parallelism "
                                   f"({model_files}): only DeepSpeed data-parallel (ZeRO 0-2) checkpoints convert")
         self.states = load_torch_file(self.folder / model_files[0])
+        if not isinstance(self.states, dict) or not isinstance(self.states.get("module"), dict):
+            raise CheckpointError(f"{self.folder / model_files[0]} holds no 'module' state dict: "
+                                  "not a DeepSpeed model-states file")
         self.hf_config = _find_config(self.folder, config)
         try:
             self.model_config = config_from_hf(self.hf_config)

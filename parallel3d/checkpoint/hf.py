@@ -32,12 +32,29 @@ def is_hf_folder(path: Path) -> bool:
 
 
 def read_hf_config(folder: Path) -> dict:
+    """``config.json`` as a dict; refused if it asks for the folder's own code."""
+    path = folder / "config.json"
     try:
-        return json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        hf = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{folder / 'config.json'} cannot be read: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} cannot be read: {e}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    check_no_remote_code(hf, path)
+    return hf
+
+
+def check_no_remote_code(hf: dict, path: Path) -> None:
+    """Refuse a config that defines its model by code shipped with the folder
+    (``auto_map``, as read with ``trust_remote_code``): parallel3d never imports such code,
+    and weights meant for another implementation would load into ours silently wrong."""
+    if hf.get("auto_map") or hf.get("trust_remote_code"):
+        where = sorted(hf["auto_map"]) if isinstance(hf.get("auto_map"), dict) else "trust_remote_code"
+        raise CheckpointError(f"{path} defines its model by the folder's own code (auto_map {where}): "
+                              "parallel3d never runs code from a model folder; use a folder of a "
+                              "supported architecture (remove auto_map only if the model is a plain one)")
 
 
 def model_config_from_folder(folder: Path):

@@ -45,7 +45,11 @@ def read_latest(root: Path) -> Path | None:
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    name = check_file_name(pointer.read_text(encoding="utf-8").strip(), str(pointer))
+    try:
+        text = pointer.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{pointer} cannot be read as a checkpoint name: {e}") from None
+    name = check_file_name(text.strip(), str(pointer))
     folder = root / name
     if not (folder / INDEX).is_file():
         raise CheckpointError(f"{pointer} points at {name}, which is not a complete checkpoint")
@@ -134,7 +138,14 @@ class CheckpointReader:
         name = self.index.ranks.get(str(rank))
         if name is None:
             return None
-        return json.loads(self.check_file(name).read_text(encoding="utf-8"))
+        path = self.check_file(name)
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path} is not the JSON file of a rank: {e}") from None
+        if not isinstance(meta, dict):
+            raise CheckpointError(f"{path} is not the JSON object of a rank")
+        return meta
 
     # -- tensors ---------------------------------------------------------------------------
     def has(self, name: str) -> bool:

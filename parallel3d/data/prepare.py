@@ -276,12 +276,17 @@ def prepare_data(inputs: list[str], tokenizer: str | Path, out: str | Path, *,
     if not inputs:
         raise UserError("no inputs: give files, directories or glob patterns")
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out '{out}' is a file: give a directory for the dataset")
     # An output directory inside an input directory is not input (index.json is JSON).
     files = [f for f in expand_inputs(inputs) if out.resolve() not in f.resolve().parents]
     if not files:
         raise UserError(f"the inputs hold no files outside --out '{out}'")
     spec = load_tokenizer(tokenizer, eos_token)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--out '{out}' cannot be created: {e.strerror}") from None
     _clear_old(out, overwrite)
     t0 = time.perf_counter()
     disk_total = sum(f.stat().st_size for f in files)

@@ -21,11 +21,32 @@ _LABELS = {"data_wait_s": "data wait", "forward_s": "forward", "backward_s": "ba
            "other_s": "other"}
 
 
+_REQUIRED = ("step", "loss", "tokens_per_s", "step_time_s")  # what the summary and plots read
+
+
 def load_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"'{run_dir}' is a file: give the run directory of a training run (run.dir)")
+    if not path.is_file():
         raise UserError(f"{path} does not exist: give the run directory of a training run (run.dir)")
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                 if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} cannot be read: {e}") from None
+    records = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break  # the last line of a run killed while writing it
+            raise UserError(f"{path} line {n} is not JSON: is this a parallel3d metrics file?") from None
+        if not isinstance(record, dict) or not all(k in record for k in _REQUIRED):
+            raise UserError(f"{path} line {n} is not a parallel3d step record (needs "
+                            f"{', '.join(_REQUIRED)})")
+        records.append(record)
     if not records:
         raise UserError(f"{path} holds no steps yet")
     return records

@@ -61,6 +61,10 @@ def run_plan(args: argparse.Namespace) -> int:
             raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
         raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}")
+    recipe = Path(args.write_recipe) if args.write_recipe else None
+    if recipe is not None and (recipe.is_dir() or not recipe.parent.is_dir()):
+        why = "is a directory" if recipe.is_dir() else f"is in '{recipe.parent}', which is not a directory"
+        raise UserError(f"--write-recipe '{recipe}' {why}: give a file path for the TOML recipe")
     model, model_keys = resolve_model(args.model)
     if args.seq_len > model.max_seq_len:
         raise UserError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
@@ -87,6 +91,10 @@ def run_plan(args: argparse.Namespace) -> int:
     for line in reasons(candidates, best, args.gpus_per_node):
         print(line)
     if args.write_recipe:
-        Path(args.write_recipe).write_text(recipe_text(best, work, model_keys, args.gpus, args.gpus_per_node, gpu))
+        try:
+            Path(args.write_recipe).write_text(recipe_text(best, work, model_keys, args.gpus,
+                                                           args.gpus_per_node, gpu))
+        except OSError as e:
+            raise UserError(f"--write-recipe '{args.write_recipe}' cannot be written: {e.strerror}") from None
         print(f"wrote {args.write_recipe}")
     return 0

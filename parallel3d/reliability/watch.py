@@ -66,8 +66,11 @@ def _own_client(store):
     while isinstance(base, dist.PrefixStore):
         base = base.underlying_store
     if isinstance(base, dist.TCPStore):
-        return dist.TCPStore(base.host, base.port, is_master=False, wait_for_workers=False,
-                             timeout=timedelta(seconds=30))
+        # clone(): a new connection under the same key prefixes (a process group built in
+        # a per-attempt namespace keeps its heartbeats apart from an earlier attempt's)
+        own = store.clone()
+        own.set_timeout(timedelta(seconds=30))
+        return own
     return store
 
 
