@@ -70,7 +70,9 @@ class PipelineSchedule:
         fp32 scalar, the same on every rank of the pipeline)."""
         steps = plan(self.name, self.pp, self.v, len(micro_batches), self.topo.pp_rank)
         batches = exchanges(steps, self.pp, self.n_chunks)
-        self._synchronize()
+        # No synchronisation opens the window: every rank left the previous step's closing
+        # collectives (the loss sum below, the trainer's norm and metrics) together, so the
+        # windows start within a collective's skew of each other without another round trip.
         self.timeline.start_step(self.steps_run + 1)  # numbered from 1, as in metrics.jsonl
         st = _StepState(micro_batches, loss=torch.zeros((), dtype=torch.float32, device=self.device))
         self.peak_alive = 0
@@ -143,17 +145,6 @@ class PipelineSchedule:
             self.watch.resume()
         for msg, tensor in zip(recvs, received):
             st.inbox[(msg.kind, msg.chunk, msg.mb)] = tensor
-
-    def _synchronize(self) -> None:
-        # All stages open the step's window together, so the bubble of every stage is
-        # measured over the same stretch of time (one tiny all-reduce per step).
-        if self.topo.pp_group is not None:
-            with self.timeline.span("pipeline sync", "comm", lane="comm"):
-                if self.watch is not None:
-                    self.watch.enter("pipeline step-start all-reduce", "pp")
-                all_reduce(torch.zeros(1, device=self.device), self.topo.pp_group)
-                if self.watch is not None:
-                    self.watch.resume()
 
     @torch.no_grad()
     def _reduce_tied_gradients(self) -> None:

@@ -1,9 +1,9 @@
 """When each forward, backward and wait ran on this rank; the bubble; a Chrome trace.
 
-Each rank keeps a :class:`Timeline`. The schedule opens a step window right after the
-ranks of its pipeline synchronise, records one span per forward, backward and
-communication wait, and closes the window after the closing collective of the step, so
-every stage's window covers the same stretch of time. The bubble of a stage is the part
+Each rank keeps a :class:`Timeline`. The schedule opens a step window as it starts the
+step (every rank left the previous step's closing collectives together), records one span
+per forward, backward and communication wait, and closes the window after the closing
+collective of the step, so every stage's window covers the same stretch of time. The bubble of a stage is the part
 of its window in which it computed nothing::
 
     bubble = 1 - (sum of forward and backward spans) / window
@@ -73,7 +73,7 @@ class Timeline:
         self._step = {"step": step, "begin": mark, "start": mark, "spans": []}
 
     def start_step(self, step: int) -> None:
-        """Open step ``step``'s window (call right after the pipeline's ranks synchronise)."""
+        """Open step ``step``'s window (the schedule, as it starts the step's work)."""
         if self._step is None or self._step["step"] != step:
             self.begin_step(step)
         self._step["start"] = self.clock.mark()

@@ -61,10 +61,12 @@ def counts_in_norm(p: torch.nn.Parameter) -> bool:
 def global_grad_norm(grads_and_params, topo: Topology) -> torch.Tensor:
     """L2 norm of all gradients of the model, each parameter counted once across the
     tensor- and pipeline-parallel groups (fp32, same value on every rank)."""
-    sq = torch.zeros((), dtype=torch.float32)
-    for g, p in grads_and_params:
-        if g is not None and counts_in_norm(p):
-            sq = sq.to(g.device) + g.float().pow(2).sum()
+    grads = [g for g, p in grads_and_params if g is not None and counts_in_norm(p)]
+    if grads:
+        # one fused kernel for every gradient's norm (in fp32 whatever the gradient dtype)
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+    else:
+        sq = torch.zeros((), dtype=torch.float32)
     all_reduce(sq, topo.mp_group)
     return sq.sqrt()
 
