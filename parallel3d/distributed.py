@@ -132,6 +132,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 # torch 2.13 renamed the flat collectives; older torch only has the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class _Done:

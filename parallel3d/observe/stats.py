@@ -42,6 +42,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from parallel3d.distributed import all_gather_flat
 from parallel3d.flops import mfu, model_flops_per_token
 from parallel3d.planner.hardware import GPU, GPUS
 
@@ -126,9 +127,9 @@ class StepObserver:
         mine = torch.tensor(row, dtype=torch.float64, device=self.device)
         if not (dist.is_available() and dist.is_initialized()) or self.topo.world_size == 1:
             return [row]
-        rows = [torch.empty_like(mine) for _ in range(self.topo.world_size)]
-        dist.all_gather(rows, mine)
-        return [r.tolist() for r in rows]
+        rows = mine.new_empty((self.topo.world_size, mine.numel()))
+        all_gather_flat(rows.view(-1), mine)
+        return rows.tolist()
 
     def _host_names(self) -> list[str]:
         if self.hosts is None:

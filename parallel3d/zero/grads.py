@@ -21,15 +21,10 @@ Either way gradients are accumulated and reduced in fp32, whatever the parameter
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from parallel3d.distributed import reduce_scatter_flat
 
 from .buckets import BucketLayout
-
-# torch 2.13 renamed the flat collectives; older torch only has the old names.
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class _Reduction:
     """One bucket's reduce-scatter in flight: on :meth:`finish` the reduced shard is
