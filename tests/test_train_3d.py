@@ -22,9 +22,12 @@ STEPS = 10
 
 def _job(corpus_dir, run_dir, **parallel) -> dict:
     # vocab 515: odd, so tp pads it; global 16 / (micro 2 * dp 2) = 4 micro-batches >= pp.
+    # Validation at steps 5 and 10 through the pipeline's forward-only pass (a tenth of the
+    # 1 MB corpus held out: its default 2% is less than one document of it).
     return tiny_job(corpus_dir, run_dir, model={"vocab_size": 515, "n_layers": 4},
                     train={"steps": STEPS, "global_batch": 16, "micro_batch": 2,
                            "grad_clip": 0.5, "recompute": parallel.pop("recompute", "none")},
+                    eval={"interval": 5, "batches": 1}, data={"val_fraction": 0.1},
                     parallel=parallel)
 
 
@@ -89,6 +92,9 @@ def test_2x2x2_equals_1x1x1(pools, corpus_dir, tmp_path, reference, parallel):
         # fp32: the same ops in a different order of sums (tp all-reduces, dp mean, the
         # norm over stages): a few ulps per step; 1e-5 relative is the bar.
         assert relative_diff([h["loss"] for h in r["history"]], losses) < 1e-5
+        val = [h["val_loss"] for h in r["history"] if "val_loss" in h]
+        assert len(val) == 2 and relative_diff(val, [h["val_loss"] for h in reference["history"]
+                                                     if "val_loss" in h]) < 1e-5
         # The gradient norm of the trained net carries those ulps further (as in the
         # dp/tp/pp tests).
         assert relative_diff([h["grad_norm"] for h in r["history"]], norms) < 1e-4

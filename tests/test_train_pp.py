@@ -24,8 +24,11 @@ STEPS = 10
 def _job(corpus_dir, run_dir, n_layers=4, tie=False, **parallel) -> dict:
     # micro_batch 1 of global 8: m = 8 micro-batches at dp=1, more than pp, so 1F1B's
     # activation bound (pp) differs from GPipe's (m).
+    # Validation every 5 steps runs the schedule's forward-only pass (a tenth of the 1 MB
+    # corpus held out: its default 2% is less than one document of it).
     return tiny_job(corpus_dir, run_dir, model={"n_layers": n_layers, "tie_embeddings": tie},
                     train={"steps": STEPS, "global_batch": 8, "micro_batch": 1, "grad_clip": 0.5},
+                    eval={"interval": 5, "batches": 2}, data={"val_fraction": 0.1},
                     parallel=parallel, run={"trace_steps": parallel.pop("trace_steps", 0)})
 
 
@@ -68,6 +71,11 @@ def _assert_same_training(ranks: list[dict], ref: dict, tie: bool = False) -> No
         # to the last bits; what differs is the order of sums (the gradient norm over
         # stages, the dp all-reduce, a tied embedding's two halves), a few ulps per step.
         assert relative_diff([h["loss"] for h in r["history"]], losses) < 1e-5
+        # validation through the pipeline's forward-only pass: the same sums of the same
+        # forward, so the same bound
+        val = [h["val_loss"] for h in r["history"] if "val_loss" in h]
+        assert len(val) == 2 and relative_diff(val, [h["val_loss"] for h in ref["history"]
+                                                     if "val_loss" in h]) < 1e-5
         # The norm of the gradient of a 10-step-trained net carries those ulps further.
         assert relative_diff([h["grad_norm"] for h in r["history"]], norms) < 1e-4
     ref_w = ref["weights"]

@@ -101,6 +101,47 @@ class PipelineSchedule:
         self.steps_run += 1
         return loss
 
+    @torch.no_grad()
+    def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The mean loss over ``micro_batches`` without a backward pass (validation): a
+        detached fp32 scalar, the same on every rank of the pipeline.
+
+        Every rank walks the (micro-batch, global chunk) pairs in lexicographic order and
+        runs the chunks it holds: receive the activation from the previous chunk's rank,
+        forward, send to the next chunk's rank. Each message goes from a pair to a later
+        one in that common order, so the earliest unfinished pair can always proceed (no
+        deadlock, whatever the virtual stages); sends are waited for after the next
+        receive, as in :meth:`run`. Nothing is kept for a backward pass."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        last = self.n_chunks - 1
+        for mb, (inputs, targets) in enumerate(micro_batches):
+            for c in range(self.n_chunks):
+                if c not in self.chunks:
+                    continue
+                if c == 0:
+                    x = inputs
+                else:
+                    msg = Message("act", c - 1, mb, src=(c - 1) % self.pp, dst=c % self.pp)
+                    if self.watch is not None:
+                        self.watch.enter(f"pipeline send/recv [eval recv act{c - 1}.{mb}]", "pp")
+                    (x,) = self.comm.exchange([], [msg])
+                with self.autocast():
+                    out = self.chunks[c](x)
+                if c == last:
+                    total += self.loss_fn(out, targets).float() / len(micro_batches)
+                else:
+                    msg = Message("act", c, mb, src=c % self.pp, dst=(c + 1) % self.pp)
+                    if self.watch is not None:
+                        self.watch.enter(f"pipeline send/recv [eval send act{c}.{mb}]", "pp")
+                    self.comm.exchange([(msg, out)], [])
+        if self.comm is not None:
+            if self.watch is not None:
+                self.watch.enter("pipeline send/recv [eval last sends]", "pp")
+            self.comm.flush()
+            if self.watch is not None:
+                self.watch.enter("eval loss sum over the pipeline", "pp")
+        return all_reduce(total, self.topo.pp_group)  # only the last stage's is non-zero
+
     # -- the two actions --------------------------------------------------------------------
     def _forward(self, a: Action, st: _StepState) -> None:
         inputs, targets = st.micro_batches[a.mb]

@@ -113,10 +113,6 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     check_pipeline(cfg, n_micro)
     if cfg.run.trace_steps < 0:
         raise UserError(f"run.trace_steps must be >= 0 (0: no trace), got {cfg.run.trace_steps}")
-    if cfg.eval.interval and par.pp > 1:
-        raise UserError("eval.interval > 0 is not supported with parallel.pp > 1 yet (the "
-                        "validation forward does not run through the pipeline schedule): "
-                        "set eval.interval=0")
     for name, value, least in (("eval.interval", cfg.eval.interval, 0), ("eval.batches", cfg.eval.batches, 1),
                                ("data.prefetch", cfg.data.prefetch, 0)):
         if value < least:

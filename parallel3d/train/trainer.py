@@ -162,18 +162,13 @@ class Trainer:
         """Mean loss over every token of ``eval.batches`` global batches of the validation
         split (the same sequences at every evaluation).
 
-        The forward here is the plain model's (any tensor-parallel or ZeRO layout);
-        ``check_job`` refuses evaluation with pipeline parallelism, whose stages are run
-        by the schedule.
+        The forward runs through the pipeline schedule's forward-only pass (the whole
+        model as one chunk when pp = 1), so any layout evaluates the same sequences.
         """
-        n_batches, autocast = self.cfg.eval.batches, _autocast_for(self.cfg, self.device)
+        n_batches = self.cfg.eval.batches
         total = torch.zeros((), dtype=torch.float32)
         for b in range(n_batches):
-            micro_batches = self.data.val_micro_batches(b)
-            for inputs, targets in micro_batches:
-                with autocast():
-                    logits = self.model(inputs)
-                total += self.loss_fn(logits, targets).float().cpu() / (len(micro_batches) * n_batches)
+            total += self.schedule.forward_only(self.data.val_micro_batches(b)).cpu() / n_batches
         return float(all_reduce(total, self.topo.dp_group) / self.topo.dp)
 
     def _check_numbers(self, loss: float, grad_norm: float) -> dict:
