@@ -43,7 +43,7 @@ def test_launches_local_workers_and_logs_every_step(corpus_dir, tmp_path):
                    "--parallel.dp=2", "--train.steps=4",
                    "--train.log_interval=2", "--train.seq_len=32", f"--run.dir={run}",
                    "--data.max_bytes=1000000", "--data.vocab_size=512",
-                   f"--data.cache_dir={corpus_dir}", timeout=300)
+                   f"--data.cache_dir={corpus_dir}", "--eval.interval=0", timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "step     4" in proc.stdout
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -188,7 +188,7 @@ def test_sigkill_of_one_of_four_ranks_ends_every_process(corpus_dir, tmp_path):
         "train.log_interval": 100000, "model.n_layers": 2, "model.dim": 64, "model.n_heads": 4,
         "model.n_kv_heads": 2, "model.ffn_dim": 160, "model.vocab_size": 512,
         "data.max_bytes": 1000000, "data.vocab_size": 512, "data.cache_dir": corpus_dir,
-        "run.dir": str(run), "reliability.heartbeat_s": 1.0}.items()]
+        "eval.interval": 0, "run.dir": str(run), "reliability.heartbeat_s": 1.0}.items()]
     err = open(tmp_path / "stderr.txt", "w+")
     proc = subprocess.Popen([sys.executable, "-m", "parallel3d.cli", "train", *args],
                             stdout=subprocess.DEVNULL, stderr=err)
