@@ -28,6 +28,47 @@ def _device() -> torch.device:
     return DEVICE
 
 
+def _time_steps(run: Run, step, steps: int, device: torch.device) -> None:
+    """Run ``step(s)`` (a whole optimizer step returning the step's loss) for every step,
+    recording its time and loss in ``run``."""
+    for s in range(steps):
+        dt, loss = timed(lambda: step(s), device)
+        run.times.append(dt)
+        run.losses.append(float(loss))
+
+
+def _adamw_per_kind(params, cfg) -> list:
+    """AdamW over a DTensor-parallel module: foreach kernels do not mix DTensors and plain
+    tensors, so one optimizer for each kind present."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = ([p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)])
+    return [adamw(group, cfg) for group in kinds if group]
+
+
+@torch.no_grad()
+def _clip_dtensor_grads(params, max_norm: float, tp_group, pp_group=None) -> None:
+    """Global-norm clipping of a DTensor-parallel module: squares of tensor-sharded
+    gradients summed over ``tp_group``, replicated ones counted once, then the stages of
+    ``pp_group`` summed; every gradient scaled by ``min(1, max_norm / (norm + 1e-6))``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    sharded = torch.zeros((), device=local[0].device)
+    replicated = torch.zeros((), device=local[0].device)
+    for p, g in zip(params, local):
+        sq = g.float().pow(2).sum()
+        if isinstance(p.grad, DTensor) and any(isinstance(pl, Shard) for pl in p.grad.placements):
+            sharded += sq
+        else:
+            replicated += sq
+    dist.all_reduce(sharded, group=tp_group)
+    total = sharded + replicated
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    torch._foreach_mul_(local, float(torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)))
+
+
 # -- parallel3d ------------------------------------------------------------------------------
 
 def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
@@ -101,10 +142,7 @@ def run_deepspeed_zero(layout: dict, steps: int, memory_run: bool = False, **job
             dist.all_reduce(total)
             return total / dp
 
-        for s in range(steps):
-            dt, loss = timed(lambda: step(s), device)
-            run.times.append(dt)
-            run.losses.append(float(loss))
+        _time_steps(run, step, steps, device)
         engine.destroy()
     run.peak = mem.peak
     return run
@@ -220,10 +258,7 @@ def run_torch_pipelining(layout: dict, steps: int, memory_run: bool = False, **j
             dist.broadcast(loss, src=pp - 1)  # the loss lives on the last stage
             return loss
 
-        for s in range(steps):
-            dt, loss = timed(lambda: step(s), device)
-            run.times.append(dt)
-            run.losses.append(float(loss))
+        _time_steps(run, step, steps, device)
     run.peak = mem.peak
     return run
 
@@ -231,7 +266,6 @@ def run_torch_pipelining(layout: dict, steps: int, memory_run: bool = False, **j
 def run_dtensor_tp(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
     """torch's DTensor tensor parallelism (``parallelize_module`` with Colwise/Rowwise,
     vocab-parallel loss), tp = world size, gradient accumulation over the micro-batches."""
-    from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
     from bench_tensor_parallel import _dtensor_model
@@ -245,28 +279,7 @@ def run_dtensor_tp(layout: dict, steps: int, memory_run: bool = False, **job_kw)
     with PeakMemory(device, tensors=memory_run) as mem:
         model = _dtensor_model(initial_model(cfg).to(device), sequence_parallel=False)
         params = list(model.parameters())
-        dparams = [p for p in params if isinstance(p, DTensor)]
-        plain = [p for p in params if not isinstance(p, DTensor)]
-        # foreach kernels do not mix DTensors and plain tensors: one AdamW for each kind
-        opts = [adamw(dparams, cfg), adamw(plain, cfg)]
-
-        @torch.no_grad()
-        def clip() -> None:
-            sharded = torch.zeros((), device=device)
-            replicated = torch.zeros((), device=device)
-            for p in dparams:
-                sq = p.grad.to_local().float().pow(2).sum()
-                if any(isinstance(pl, Shard) for pl in p.grad.placements):
-                    sharded += sq
-                else:
-                    replicated += sq
-            for p in plain:
-                replicated += p.grad.float().pow(2).sum()
-            dist.all_reduce(sharded)
-            norm = (sharded + replicated).sqrt()
-            coef = float(torch.clamp(cfg.train.grad_clip / (norm + 1e-6), max=1.0))
-            for p in params:
-                p.grad.mul_(coef)
+        opts = _adamw_per_kind(params, cfg)
 
         def step(s: int) -> torch.Tensor:
             model.zero_grad(set_to_none=True)
@@ -278,15 +291,12 @@ def run_dtensor_tp(layout: dict, steps: int, memory_run: bool = False, **job_kw)
                     loss = F.cross_entropy(model(xb).flatten(0, 1), yb.flatten()) / n_micro
                     loss.backward()
                     total += loss.detach().full_tensor()
-            clip()
+            _clip_dtensor_grads(params, cfg.train.grad_clip, tp_group=dist.group.WORLD)
             for opt in opts:
                 opt.step()
             return total
 
-        for s in range(steps):
-            dt, loss = timed(lambda: step(s), device)
-            run.times.append(dt)
-            run.losses.append(float(loss))
+        _time_steps(run, step, steps, device)
     run.peak = mem.peak
     return run
 
@@ -321,7 +331,7 @@ def run_torch_3d(layout: dict, steps: int, memory_run: bool = False, **job_kw) -
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
 
     from parallel3d.models.llama.parallelize import cut_pipeline_stages
@@ -352,35 +362,18 @@ def run_torch_3d(layout: dict, steps: int, memory_run: bool = False, **job_kw) -
         stage = PipelineStage(chunk, pp_rank, pp, device, group=pp_group)
         schedule = Schedule1F1B(stage, n_micro, loss_fn=loss_fn)  # grads scaled by 1/n_micro
         params = list(chunk.parameters())
-        dparams = [p for p in params if isinstance(p, DTensor)]
-        plain = [p for p in params if not isinstance(p, DTensor)]
-        opts = [o for o in (adamw(dparams, cfg) if dparams else None,
-                            adamw(plain, cfg) if plain else None) if o is not None]
+        opts = _adamw_per_kind(params, cfg)
         last = pp_rank == pp - 1
 
         @torch.no_grad()
         def sync_and_clip() -> None:
-            local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-            if dp > 1:
+            if dp > 1:  # DDP's arithmetic: the mean over dp, in one flat all-reduce
+                local = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
                 flat = _flatten_dense_tensors(local)
                 dist.all_reduce(flat, group=dp_group)
                 flat.div_(dp)
                 torch._foreach_copy_(local, _unflatten_dense_tensors(flat, local))
-            sharded = torch.zeros((), device=device)
-            replicated = torch.zeros((), device=device)
-            for p, g in zip(params, local):
-                sq = g.float().pow(2).sum()
-                if isinstance(p.grad, DTensor) and any(isinstance(pl, Shard) for pl in p.grad.placements):
-                    sharded += sq
-                else:
-                    replicated += sq
-            if tp > 1:
-                dist.all_reduce(sharded, group=tp_group)
-            total = sharded + replicated
-            if pp > 1:
-                dist.all_reduce(total, group=pp_group)
-            coef = float(torch.clamp(cfg.train.grad_clip / (total.sqrt() + 1e-6), max=1.0))
-            torch._foreach_mul_(local, coef)
+            _clip_dtensor_grads(params, cfg.train.grad_clip, tp_group, pp_group if pp > 1 else None)
 
         def step(s: int) -> torch.Tensor:
             x, y = data(s)
@@ -406,9 +399,6 @@ def run_torch_3d(layout: dict, steps: int, memory_run: bool = False, **job_kw) -
             dist.all_reduce(loss)  # one contribution per dp replica: the mean over the batch
             return loss
 
-        for s in range(steps):
-            dt, loss = timed(lambda: step(s), device)
-            run.times.append(dt)
-            run.losses.append(float(loss))
+        _time_steps(run, step, steps, device)
     run.peak = mem.peak
     return run

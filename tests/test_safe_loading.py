@@ -256,7 +256,7 @@ def _hf_index_outside(o, tmp, marker, outside):
 PICKLES = [
     ("index-json-pickle-protocol-0", _index_pickled(0), "index.json cannot be read"),
     ("index-json-pickle-binary", _index_pickled(5), "index.json cannot be read"),
-    ("rank-json-pickle", _rank_json_pickled, "rank_00000.json is not the JSON file of a rank"),
+    ("rank-json-pickle", _rank_json_pickled, "rank_00000.json cannot be read as the JSON file of a rank"),
     ("latest-pickle", _latest_pickled, "latest cannot be read as a checkpoint name"),
     ("safetensors-is-a-torch-pickle", _safetensors_pickled,
      "rank_00000.safetensors is not a valid safetensors file"),

@@ -24,7 +24,6 @@ plain attribute records, ``ZeroStageEnum`` an int), so DeepSpeed itself is never
 
 from __future__ import annotations
 
-import json
 import math
 import pickle
 import re
@@ -35,7 +34,7 @@ import torch
 from parallel3d.errors import UserError
 from parallel3d.models.llama.hf import config_from_hf, name_from_hf
 
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json_object
 from .state import logical_shapes
 
 _MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
@@ -99,12 +98,7 @@ def _find_config(folder: Path, config: str | Path | None) -> dict:
     candidates = [Path(config)] if config else [folder / "config.json", folder.parent / "config.json"]
     for c in candidates:
         if c.is_file():
-            try:
-                hf = json.loads(c.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise CheckpointError(f"{c} cannot be read: {e}") from None
-            if not isinstance(hf, dict):
-                raise CheckpointError(f"{c} is not a JSON object")
+            hf = read_json_object(c, "a model config")
             from .hf import check_no_remote_code
 
             check_no_remote_code(hf, c)

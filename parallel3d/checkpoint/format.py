@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json_object
 from .safetensors_io import DTYPES, dtype_code
 
 FORMAT = "parallel3d-checkpoint"
@@ -227,12 +227,10 @@ class Index:
     def read(cls, folder: Path) -> "Index":
         path = folder / INDEX
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = read_json_object(path, "a checkpoint index")
         except FileNotFoundError:
             raise CheckpointError(f"{folder} is not a parallel3d checkpoint: no {INDEX} "
                                   "(an interrupted save leaves no index)") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} cannot be read: {e}") from None
         try:
             return cls._parse(data, path)
         except (KeyError, TypeError, ValueError) as e:

@@ -19,7 +19,7 @@ import torch
 
 from parallel3d.models.llama.hf import config_from_hf, config_to_hf, name_from_hf, name_to_hf
 
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json_object
 from .safetensors_io import SafetensorsFile, StreamingWriter
 from .state import logical_shapes
 
@@ -35,13 +35,9 @@ def read_hf_config(folder: Path) -> dict:
     """``config.json`` as a dict; refused if it asks for the folder's own code."""
     path = folder / "config.json"
     try:
-        hf = json.loads(path.read_text(encoding="utf-8"))
+        hf = read_json_object(path, "a model config")
     except FileNotFoundError:
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} cannot be read: {e}") from None
-    if not isinstance(hf, dict):
-        raise CheckpointError(f"{path} is not a JSON object")
     check_no_remote_code(hf, path)
     return hf
 

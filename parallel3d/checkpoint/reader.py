@@ -9,14 +9,13 @@ refused with an error naming it, never loaded as garbage.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, read_json_object
 from .format import INDEX, LATEST, Index, TensorEntry, check_file_name, flat_boxes, intersect
 from .safetensors_io import SafetensorsFile, file_sha256
 
@@ -139,13 +138,7 @@ class CheckpointReader:
         if name is None:
             return None
         path = self.check_file(name)
-        try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{path} is not the JSON file of a rank: {e}") from None
-        if not isinstance(meta, dict):
-            raise CheckpointError(f"{path} is not the JSON object of a rank")
-        return meta
+        return read_json_object(path, "the JSON file of a rank")
 
     # -- tensors ---------------------------------------------------------------------------
     def has(self, name: str) -> bool:
