@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from parallel3d.testing import ProcessGroupPool
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Compute in the test process on one thread (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``): the pool's ranks take the other
+    core, and two OpenMP threads spinning on a loaded 2-core machine turn a 20 ms step into
+    seconds."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

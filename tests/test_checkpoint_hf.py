@@ -24,14 +24,7 @@ from helpers import tiny_job
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Training in this process on one thread: the pool's ranks take the other cores, and
-    two OpenMP threads spinning on a loaded 2-core machine cost seconds per step."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 # GQA (4 heads over 2 kv-heads), an odd vocabulary (not divisible by any tp), Qwen2's
 # q/k/v biases, llama3 rope scaling, tied and untied heads.

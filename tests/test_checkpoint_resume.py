@@ -24,14 +24,7 @@ from helpers import relative_diff, tiny_job
 STEPS, STOP = 20, 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Training in this process on one thread: the pool's ranks take the other cores, and
-    two OpenMP threads spinning on a loaded 2-core machine cost seconds per step."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _job(corpus_dir, run_dir, tp=1, dp=1, **checkpoint):

@@ -22,14 +22,7 @@ from parallel3d.train.trainer import Trainer
 from helpers import tiny_job_on
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Compute in this process with one thread: with two on a loaded 2-core machine,
-    OpenMP's spinning threads turn a 20 ms step into seconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _global_steps(samplers, steps: int) -> list[list[int]]:

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from parallel3d.cli import default_recipe
 from parallel3d.config import config_from_dict
@@ -33,14 +32,7 @@ def _job(prepared_dir: str, run_dir: Path, dp: int, tp: int = 1, pp: int = 1) ->
                        launch={"threads_per_proc": 1})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Compute in this process with one thread: with two on a loaded 2-core machine,
-    OpenMP's spinning threads turn a 20 ms step into seconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 
 from parallel3d.config import config_from_dict
 from parallel3d.errors import UserError
-from parallel3d.observe.stats import BREAKDOWN, StepObserver, find_stragglers, gpu_of, step_breakdown
+from parallel3d.observe.stats import BREAKDOWN, find_stragglers, gpu_of, step_breakdown
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
@@ -28,7 +28,6 @@ def _job(corpus_dir, run_dir, steps, **observability) -> dict:
 
 def _train(job: dict, slow_rank: int | None = None, sleep_s: float = 0.0) -> dict:
     import contextlib
-    import sys
 
     cfg = config_from_dict(job)
     topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp)

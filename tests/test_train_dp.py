@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 from parallel3d.config import config_from_dict
-from parallel3d.testing import ProcessGroupPool  # noqa: F401  (the pools fixture type)
 from parallel3d.topology import Topology
 from parallel3d.train.data import GlobalBatchSampler
 from parallel3d.train.trainer import Trainer
