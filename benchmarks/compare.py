@@ -134,24 +134,25 @@ def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _com
     return out
 
 
+_SHORT = {"forward_s": "forward", "backward_s": "backward", "bubble_s": "wait", "optimizer_s": "optimizer",
+          "comm_exposed_s": "comm", "data_wait_s": "data", "other_s": "other"}
+
+
 def breakdown(runs, warmup: int, pipeline: bool) -> str:
-    """Where parallel3d's step time goes, from the trainer's timeline: milliseconds per
-    span category (forward, backward, wait for a peer stage, optimizer incl. gradient
-    sync and clipping; 'other': the rest of the step: batch loading, loss all-reduce,
-    schedule bookkeeping), median over steps after warm-up, mean over ranks."""
+    """Where parallel3d's step time goes, from the trainer's timeline (the fields of
+    ``parallel3d.observe.stats.step_breakdown``): forward, backward, wait for a peer stage,
+    optimizer (its collectives left out), exposed collectives (gradient sync, the step's
+    closing all-reduce), data, and what no span covers; milliseconds, median over steps
+    after warm-up of the mean over ranks."""
     cats: dict[str, list[float]] = {}
     for ranks in runs:
         n = len(ranks[0].extra["breakdown"])
         for s in range(warmup, n):
             per_rank = [r.extra["breakdown"][s] for r in ranks]
-            keys = {k for b in per_rank for k in b}
-            for k in keys:
-                cats.setdefault(k, []).append(statistics.mean(b.get(k, 0.0) for b in per_rank))
-            other = statistics.mean(b["step"] - sum(v for k, v in b.items() if k != "step") for b in per_rank)
-            cats.setdefault("other", []).append(other)
-    order = ["forward", "backward", "wait", "optimizer", "other"]
-    parts = [f"{k} {statistics.median(cats[k]) * 1e3:.0f}" for k in order if k in cats]
-    parts += [f"{k} {statistics.median(v) * 1e3:.0f}" for k, v in cats.items() if k not in order + ["step"]]
+            for k in _SHORT:
+                cats.setdefault(k, []).append(statistics.mean(b[k] for b in per_rank))
+    parts = [f"{name} {statistics.median(cats[k]) * 1e3:.0f}" for k, name in _SHORT.items()
+             if pipeline or k != "bubble_s"]
     text = "ms per step: " + ", ".join(parts)
     bubbles = [b for ranks in runs for b in ranks[0].extra.get("bubble_fraction", [])[warmup:]]
     if pipeline and bubbles:
@@ -209,6 +210,10 @@ def main() -> None:
             t0 = time.perf_counter()
             results += measure_row(pools, name, ROWS[name], args)
             print(f"[{name}: {time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+            # Fresh processes for the next row: DeepSpeed's pipeline engine leaves
+            # process-global state (its model-parallel unit) that breaks a later ZeRO engine.
+            pools.close()
+            pools = Pools()
     finally:
         pools.close()
     text = header(args) + "\n\n" + _common.table(results) + "\n"

@@ -73,6 +73,7 @@ def _clip_dtensor_grads(params, max_norm: float, tp_group, pp_group=None) -> Non
 
 def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
     """Our Trainer, end to end (its own sampler, schedule and optimizer)."""
+    from parallel3d.observe.stats import step_breakdown
     from parallel3d.topology import Topology
     from parallel3d.train.trainer import Trainer
 
@@ -82,13 +83,16 @@ def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Ru
     with PeakMemory(device, tensors=memory_run) as mem:
         trainer = Trainer(cfg, Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp),
                           device, log=False)
+        records = []
         for _ in range(steps):
             dt, record = timed(trainer.train_step, device)
+            records.append(record)
             run.times.append(dt)
             run.losses.append(record["loss"])
-            run.extra.setdefault("bubble_fraction", []).append(record.get("bubble_fraction", 0.0))
             run.extra.setdefault("breakdown", []).append(
-                {**trainer.schedule.timeline.step_breakdown(), "step": dt})
+                {**step_breakdown(trainer.schedule.timeline.step_spans(), dt), "step": dt})
+        trainer.finish_records()  # the last step's per-rank figures (the bubble), untimed
+        run.extra["bubble_fraction"] = [r["bubble_fraction"] for r in records]
     run.peak = mem.peak
     return run
 

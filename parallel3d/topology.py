@@ -117,6 +117,7 @@ class Topology:
         topo.tp_rank, topo.pp_rank, topo.dp_rank
         topo.tp_group, topo.pp_group, topo.dp_group, topo.mp_group
         topo.embed_group                            # first + last stage, for tied embeddings
+        topo.world_group                            # every rank (None with one)
         topo.prev_rank, topo.next_rank              # pipeline neighbours (None at the ends)
 
     ``Topology.single()`` gives a 1x1x1 topology without any process group (tests and
@@ -146,6 +147,7 @@ class Topology:
         self.embed_ranks = self.grid.embedding_ranks(rank)
         self.tp_group = self.pp_group = self.dp_group = self.mp_group = None
         self.embed_group = None  # first + last pipeline stage (tied embeddings), pp > 1
+        self.world_group = None  # every rank (the default group), when there are several
         # Sub-groups do not inherit the world group's timeout (torch gives them its own
         # default of 30 minutes): pass it on, so every collective obeys one limit.
         self.timeout_s = timeout_s
@@ -162,6 +164,7 @@ class Topology:
         from datetime import timedelta
 
         timeout = timedelta(seconds=self.timeout_s) if self.timeout_s else None
+        self.world_group = dist.group.WORLD
         axes = ("tp", "dp", "pp", "mp") + (("embed",) if self.pp > 1 else ())
         for axis in axes:
             for ranks in self.grid.all_groups(axis):

@@ -61,9 +61,9 @@ def _train_recording(job: dict, state: dict | None = None, start_step: int = 0):
     seen = []
     run = trainer.schedule.run
 
-    def recording(micro_batches):
+    def recording(micro_batches, **kw):
         seen.append(torch.cat([torch.cat([x, y[:, -1:]], dim=1) for x, y in micro_batches]))
-        return run(micro_batches)
+        return run(micro_batches, **kw)
 
     trainer.schedule.run = recording
     history = trainer.fit()

@@ -113,10 +113,10 @@ def _stalled_run(job: dict, stall_rank: int, stall_step: int, stall_s: float):
     trainer = Trainer(cfg, topo, watch=watch)
     run = trainer.schedule.run
 
-    def stalling(micro_batches):
+    def stalling(micro_batches, **kw):
         if topo.rank == stall_rank and trainer.step + 1 == stall_step:
             time.sleep(stall_s)
-        return run(micro_batches)
+        return run(micro_batches, **kw)
 
     trainer.schedule.run = stalling
     t0 = time.monotonic()
@@ -142,17 +142,17 @@ def test_stalled_rank_makes_the_others_exit_naming_op_and_group(corpus_dir, tmp_
         results = pool.run(_stalled_run, job, 3, 3, timeout + 8)
     finally:
         pool.close(kill=True)
-    pattern = re.compile(r"rank (\d): (.+) on the (tp|pp|dp|mp|embed) group \[[\d, ]+\] failed at step 3")
+    pattern = re.compile(r"rank (\d): (.+) on the (tp|pp|dp|mp|embed|world) group \[[\d, ]+\] failed at step 3")
     for rank in (0, 1, 2):
         message, seconds = results[rank]
         assert message is not None, f"rank {rank} did not notice the stall"
         assert seconds < timeout + 30, (rank, seconds)
         assert pattern.match(message), message
     # the stalled rank's direct partners name it: rank 1 (its first stage) waiting for what
-    # rank 3 sends back (pp group [1, 3]), rank 2 in the loss all-reduce (dp group [2, 3])
+    # rank 3 sends back (pp group [1, 3]), rank 2 in the gradient sync (dp group [2, 3])
     assert re.search(r"rank 1: pipeline send/recv \[[^]]*recv [^]]*\] on the pp group \[1, 3\]",
                      results[1][0]), results[1][0]
-    assert "rank 2: loss all-reduce on the dp group [2, 3]" in results[2][0]
+    assert "rank 2: gradient sync on the dp group [2, 3]" in results[2][0]
     for rank in (1, 2):
         assert "did not arrive: rank 3 at step 3 in forward/backward |" in results[rank][0], results[rank][0]
     # nobody is taken for dead: every process is alive, the stalled one included

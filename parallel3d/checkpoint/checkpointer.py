@@ -177,10 +177,14 @@ class Checkpointer:
             self.save(trainer)
         self.writer.wait()
 
-    def maybe_save(self, trainer) -> bool:
+    def due(self, trainer) -> bool:
+        """Whether :meth:`maybe_save` saves at ``trainer.step`` (the same on every rank)."""
         every, last = self.cfg.interval, trainer.cfg.train.steps
         due = every > 0 and (trainer.step % every == 0 or trainer.step == last)
-        if not due or trainer.step == self._last_saved:
+        return due and trainer.step != self._last_saved
+
+    def maybe_save(self, trainer) -> bool:
+        if not self.due(trainer):
             return False
         self.save(trainer)
         return True

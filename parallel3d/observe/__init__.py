@@ -2,7 +2,7 @@
 stragglers, the live progress line, optional TensorBoard / W&B sinks and the run report.
 
 * ``stats``: the breakdown of a step from the pipeline timeline's spans, the per-rank
-  exchange (one small all-gather per step), MFU, peak memory and stragglers.
+  exchange (riding the trainer's one all-reduce per step), MFU, peak memory and stragglers.
 * ``progress``: rank 0's progress bar on a terminal.
 * ``sinks``: TensorBoard and Weights & Biases, when installed and asked for.
 * ``report``: ``parallel3d report RUN_DIR`` (a PNG and a text summary).

@@ -43,6 +43,7 @@ class ProgressBar:
         self._last = None
         self._gaps: list[float] = []
         self._shown = 0
+        self.memory: int | None = None  # peak memory of the latest complete record
 
     def line(self, record: dict) -> str:
         step = record["step"]
@@ -51,8 +52,9 @@ class ProgressBar:
                  f"loss {record['loss']:.4f}", f"{record['tokens_per_s']:,.0f} tok/s"]
         if "mfu" in record:
             parts.append(f"MFU {record['mfu'] * 100:.1f}%")
-        if "peak_mem_bytes" in record:
-            parts.append(f"mem {record['peak_mem_bytes'] / GiB:.2f} GiB")
+        mem = record.get("peak_mem_bytes", self.memory)
+        if mem is not None:
+            parts.append(f"mem {mem / GiB:.2f} GiB")
         if self._gaps:
             parts.append(f"ETA {_duration(statistics.median(self._gaps) * (self.total - step))}")
         return "  ".join(parts)

@@ -1,4 +1,4 @@
-"""What a training step spent its time on, measured on every rank, gathered to rank 0.
+"""What a training step spent its time on, measured on every rank, summed to every rank.
 
 The breakdown is built from the spans the pipeline :class:`~parallel3d.pipeline.timeline.Timeline`
 records (one mechanism: the same spans make the Chrome trace and the bubble). Per rank,
@@ -11,10 +11,11 @@ disjoint stretches of the step's wall time and add up to ``step_time_s``:
 ``backward_s``       backward spans: compute, plus the tp collectives (and ZeRO-2's
                      gradient reduce-scatters when they block) inside the backward
 ``optimizer_s``      the optimizer step, less the collective waits inside it
-``comm_exposed_s``   blocked in collectives outside forward/backward: the pipeline's step
-                     entry synchronisation, the tied-embedding gradient and loss
-                     all-reduces, the data-parallel gradient all-reduce (ZeRO: the
-                     reduce-scatter finish and the last all-gather), the grad-norm all-reduce
+``comm_exposed_s``   blocked in collectives outside forward/backward: the tied-embedding
+                     gradient all-reduce, the data-parallel gradient all-reduce (ZeRO: the
+                     reduce-scatter finish and the last all-gather), the step's closing
+                     all-reduce (norm, loss and per-rank figures in one; for a pipeline
+                     stage that finished early, its wait for the others)
 ``bubble_s``         blocked in pipeline point-to-point waits (receiving a neighbour's
                      activations or gradients): the fill and drain of the schedule, plus
                      any transfer time the schedule did not hide. 0 with ``pp = 1``
@@ -42,7 +43,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from parallel3d.distributed import all_gather_flat
 from parallel3d.flops import mfu, model_flops_per_token
 from parallel3d.planner.hardware import GPU, GPUS
 
@@ -106,8 +106,16 @@ def find_stragglers(busy: list[float], factor: float, peers: list[list[int]] | N
 
 
 class StepObserver:
-    """Turns a finished step's timeline into metrics on every rank (collective: every rank
-    calls :meth:`collect` each step; the world all-gathers one small vector)."""
+    """Turns a finished step's timeline into metrics.
+
+    A step's per-rank figures (:meth:`row`) travel to every rank in the *next* step's one
+    collective: the trainer sums a vector of ``world x ROW`` slots, each rank's row in its
+    own slot, together with that step's gradient norm and loss (:meth:`slots`). So the
+    figures cost no collective of their own, and a record is complete one step after it
+    was made (:meth:`per_rank`); :meth:`gather` sums the slots alone for the last step
+    of a run."""
+
+    ROW = 1 + len(BREAKDOWN) + 2  # step time, the breakdown, bubble, peak memory
 
     def __init__(self, cfg, topo, device: torch.device, model_cfg):
         train = cfg.train
@@ -122,29 +130,45 @@ class StepObserver:
         grid = topo.grid
         stages = [[r for r in range(topo.world_size) if grid.coords(r)["pp"] == p] for p in range(topo.pp)]
         self.peers = stages if len(stages[0]) > 1 else None  # ranks that run the same layers
+        self.mem_source = peak_memory_bytes(device)[1]
 
-    def _gather(self, row: list[float]) -> list[list[float]]:
-        mine = torch.tensor(row, dtype=torch.float64, device=self.device)
-        if not (dist.is_available() and dist.is_initialized()) or self.topo.world_size == 1:
-            return [row]
-        rows = mine.new_empty((self.topo.world_size, mine.numel()))
-        all_gather_flat(rows.view(-1), mine)
-        return rows.tolist()
+    def throughput(self, step_time: float) -> dict:
+        """The figures of a step known at once: model TFLOP/s per device, and MFU on a GPU
+        whose peak is known."""
+        n = self.topo.world_size
+        out = {"tflops_per_device": self.flops_per_step / step_time / n / 1e12}
+        if self.gpu is not None:
+            out["mfu"] = mfu(1.0 / step_time, self.flops_per_step, n, self.gpu.peak_flops)
+        return out
 
-    def _host_names(self) -> list[str]:
-        if self.hosts is None:
-            self.hosts = [socket.gethostname()]
-            if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
-                self.hosts = [None] * self.topo.world_size
-                dist.all_gather_object(self.hosts, socket.gethostname())
-        return self.hosts
-
-    def collect(self, step: int, step_time: float, spans, bubble: float = 0.0) -> dict:
-        """Metrics of step ``step`` (the same dict on every rank). ``bubble`` is this rank's
-        idle share of its pipeline step window; ``bubble_fraction`` is its mean over ranks."""
+    def row(self, step_time: float, spans, bubble: float = 0.0) -> list[float]:
+        """This rank's figures of the step just finished: its step time, its breakdown,
+        ``bubble`` (its idle share of its pipeline step window) and its peak memory."""
         own = step_breakdown(spans, step_time)
-        mem, source = peak_memory_bytes(self.device)
-        rows = self._gather([step_time, *own.values(), bubble, float(mem)])
+        return [step_time, *own.values(), bubble, float(peak_memory_bytes(self.device)[0])]
+
+    def slots(self, row: list[float] | None) -> torch.Tensor:
+        """``world x ROW`` fp64 zeros with ``row`` in this rank's slot (all zeros without
+        one): summed over the world, every rank's row."""
+        out = torch.zeros((self.topo.world_size, self.ROW), dtype=torch.float64)
+        if row is not None:
+            out[self.topo.rank] = torch.tensor(row, dtype=torch.float64)
+        return out.view(-1).to(self.device)
+
+    def gather(self, row: list[float]) -> list[list[float]]:
+        """Every rank's row by a collective of its own (the last step of a run)."""
+        sums = self.slots(row)
+        if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
+            dist.all_reduce(sums)
+        return self.rows(sums)
+
+    def rows(self, sums: torch.Tensor) -> list[list[float]]:
+        return sums.view(self.topo.world_size, self.ROW).tolist()
+
+    def per_rank(self, step: int, rows: list[list[float]]) -> dict:
+        """The fields of step ``step``'s record made from every rank's row: the breakdown
+        and bubble as means over ranks, per-rank step and busy times, peak memory, and
+        (every ``straggler_interval`` steps) the stragglers."""
         n = len(rows)
         record = {k: sum(r[1 + i] for r in rows) / n for i, k in enumerate(BREAKDOWN)}
         record["bubble_fraction"] = sum(r[-2] for r in rows) / n
@@ -154,10 +178,7 @@ class StepObserver:
         record["rank_busy_s"] = busy
         record["peak_mem_bytes"] = int(max(r[-1] for r in rows))
         record["rank_peak_mem_bytes"] = [int(r[-1]) for r in rows]
-        record["mem_source"] = source
-        record["tflops_per_device"] = self.flops_per_step / step_time / n / 1e12
-        if self.gpu is not None:
-            record["mfu"] = mfu(1.0 / step_time, self.flops_per_step, n, self.gpu.peak_flops)
+        record["mem_source"] = self.mem_source
         self._busy_sum = [a + b for a, b in zip(self._busy_sum or [0.0] * n, busy)]
         self._busy_steps += 1
         every = self.obs.straggler_interval
@@ -166,6 +187,14 @@ class StepObserver:
             self._busy_sum, self._busy_steps = None, 0
             record["stragglers"] = self._stragglers(mean_busy)
         return record
+
+    def _host_names(self) -> list[str]:
+        if self.hosts is None:
+            self.hosts = [socket.gethostname()]
+            if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
+                self.hosts = [None] * self.topo.world_size
+                dist.all_gather_object(self.hosts, socket.gethostname())
+        return self.hosts
 
     def _stragglers(self, busy: list[float]) -> list[dict]:
         hosts = self._host_names()

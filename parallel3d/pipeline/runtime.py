@@ -65,14 +65,20 @@ class PipelineSchedule:
         self.steps_run = 0
         self.watch = None  # a reliability.CommWatch told of each send/recv, if attached
 
-    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+            reduce_loss: bool = True) -> torch.Tensor:
         """Forward and backward every micro-batch; returns the step's mean loss (a detached
-        fp32 scalar, the same on every rank of the pipeline)."""
+        fp32 scalar, the same on every rank of the pipeline).
+
+        With ``reduce_loss=False`` it returns this rank's part instead (the last stage's
+        loss, 0 on the others) and leaves the step window open: the caller sums the loss
+        in its own closing collective (the trainer's one all-reduce per step) and closes
+        the window after it (``timeline.close_window``)."""
         steps = plan(self.name, self.pp, self.v, len(micro_batches), self.topo.pp_rank)
         batches = exchanges(steps, self.pp, self.n_chunks)
         # No synchronisation opens the window: every rank left the previous step's closing
-        # collectives (the loss sum below, the trainer's norm and metrics) together, so the
-        # windows start within a collective's skew of each other without another round trip.
+        # collective together, so the windows start within a collective's skew of each
+        # other without another round trip.
         self.timeline.start_step(self.steps_run + 1)  # numbered from 1, as in metrics.jsonl
         st = _StepState(micro_batches, loss=torch.zeros((), dtype=torch.float32, device=self.device))
         self.peak_alive = 0
@@ -90,15 +96,20 @@ class PipelineSchedule:
                 self.watch.enter("pipeline send/recv [last sends]", "pp")
             with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
                 self.comm.flush()
+        if self.tied:
+            with self.timeline.span("pp collectives", "comm", lane="comm"):
+                if self.watch is not None:
+                    self.watch.enter("tied-embedding gradient all-reduce", "embed")
+                self._reduce_tied_gradients()
+        self.timeline.end_work()
+        self.steps_run += 1
+        if not reduce_loss:
+            return st.loss
         with self.timeline.span("pp collectives", "comm", lane="comm"):
-            if self.watch is not None:
-                self.watch.enter("tied-embedding gradient all-reduce", "embed")
-            self._reduce_tied_gradients()
             if self.watch is not None:
                 self.watch.enter("loss sum over the pipeline", "pp")
             loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
         self.timeline.close_window()
-        self.steps_run += 1
         return loss
 
     @torch.no_grad()

@@ -90,12 +90,28 @@ class Timeline:
         finally:
             self._step["spans"].append((name, cat, lane, t0, self.clock.mark(), args))
 
-    def close_window(self) -> float:
+    def end_work(self) -> None:
+        """Mark the end of the schedule's part of the step (its last send waited for)."""
+        if self._step is not None:
+            self._step["work_end"] = self.clock.mark()
+
+    def close_window(self, closing: str | None = None) -> float:
         """End the step's window (after its closing collective); returns and keeps the
-        bubble fraction of this rank for the step."""
+        bubble fraction of this rank for the step.
+
+        ``closing``: the name of the span of the step's closing collective when the rank
+        did work of its own between the schedule's end (:meth:`end_work`) and that
+        collective (the trainer's gradient sync and local norm). The window is then the
+        schedule's stretch plus the wait in the closing collective, so a stage that
+        finished early still counts the time it waited for the others as idle, and the
+        gradient sync does not count as pipeline time."""
         step = self._step
         end = self.clock.mark()
-        window = self.clock.seconds(step["start"], end)
+        if closing is not None and "work_end" in step:
+            t0, t1 = next((t0, t1) for name, _, _, t0, t1, _ in reversed(step["spans"]) if name == closing)
+            window = self.clock.seconds(step["start"], step["work_end"]) + self.clock.seconds(t0, t1)
+        else:
+            window = self.clock.seconds(step["start"], end)
         busy = sum(self.clock.seconds(t0, t1) for _, cat, _, t0, t1, _ in step["spans"] if cat in BUSY)
         self.last_bubble = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
         return self.last_bubble

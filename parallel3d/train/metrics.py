@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (rank 0)."""
+"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (rank 0), and
+the console line of a step."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import time
 from pathlib import Path
 
 
-def _extras(record: dict) -> str:
+def _extras(record: dict, data_wait_s: float) -> str:
     out = ""
-    if record.get("data_wait_s", 0) >= 1e-3:  # only when the step waited for data
-        out += f"  data_wait {record['data_wait_s'] * 1e3:.0f} ms"
+    if data_wait_s >= 1e-3:  # only when the step waited for data
+        out += f"  data_wait {data_wait_s * 1e3:.0f} ms"
     if "val_loss" in record:
         out += f"  val_loss {record['val_loss']:.4f}"
     if "mfu" in record:
@@ -54,13 +55,17 @@ class MetricsLogger:
             (self.path.parent / f"metrics.{stamp}.jsonl").write_text("\n".join(drop) + "\n")
         self.path.write_text("".join(line + "\n" for line in keep), encoding="utf-8")
 
-    def log(self, record: dict, console: bool = True) -> None:
+    def log(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if console:
-            print(f"step {record['step']:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
-                  f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
-                  f"{record['step_time_s'] * 1e3:.0f} ms" + _extras(record), file=sys.stdout, flush=True)
+
+    @staticmethod
+    def show(record: dict, data_wait_s: float = 0.0) -> None:
+        """The step's console line (``data_wait_s``: how long this rank waited for the
+        step's batches, shown only when it did)."""
+        print(f"step {record['step']:>5}  loss {record['loss']:.4f}  lr {record['lr']:.2e}  "
+              f"grad_norm {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s  "
+              f"{record['step_time_s'] * 1e3:.0f} ms" + _extras(record, data_wait_s), file=sys.stdout, flush=True)
 
     def close(self) -> None:
         self._file.close()

@@ -95,6 +95,10 @@ class Trainer:
         self.optimizer.timeline = self.schedule.timeline  # its collective waits become spans
         self.observer = StepObserver(cfg, topo, self.device, self.model_cfg)
         self.step_hooks: list = []
+        # (record, this rank's figures) of the last step, until the next collective
+        # carries the figures of every rank; then the record goes to _completed.
+        self._pending: tuple[dict, list[float]] | None = None
+        self._completed: list[dict] = []
         self.schedule.watch = self.watch
         # The group carrying the collectives inside forward/backward (tp all-reduces,
         # pipeline sends, ZeRO-2 reduce-scatters), innermost first.
@@ -118,7 +122,11 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     def train_step(self) -> dict:
-        """One optimizer step; returns its metrics (the same on every rank)."""
+        """One optimizer step; returns its record (the same on every rank).
+
+        The record's per-rank figures (breakdown, bubble, per-rank times and memory,
+        stragglers) arrive with the next step's collective: they are added to this same
+        dict then, or by :meth:`finish_records` after the last step."""
         cfg = self.cfg.train
         if self.step == 0 and dist.is_initialized() and self.topo.world_size > 1:
             dist.barrier()  # start the first step together: its time is not setup's skew
@@ -132,30 +140,68 @@ class Trainer:
         self.watch.compute("forward/backward", self._compute_axis)
         with timeline.span("data", "data"):  # the wait for batches built in the background
             micro_batches, _ = self.data.loader.next()
-        loss = self.schedule.run(micro_batches)
+        loss_part = self.schedule.run(micro_batches, reduce_loss=False)
         for hook in self.step_hooks:
             hook(self)
-        # The loss all-reduce goes before the step: the sharded optimizer ends its step by
-        # issuing asynchronous all-gathers on the dp group, which it would queue behind.
-        self.watch.enter("loss all-reduce", "dp")
-        with timeline.span("loss all-reduce", "comm", lane="comm"):
-            loss = float(all_reduce(loss, self.topo.dp_group) / self.topo.dp)
-        self.watch.enter("optimizer step (gradient reduction, global norm)", "dp")
-        with self.schedule.timeline.span("optimizer", "optimizer"):
-            grad_norm = self.optimizer.step(lr, skip=not math.isfinite(loss))
+        with timeline.span("optimizer", "optimizer"):
+            self.watch.enter("gradient sync", "dp")
+            norm_share = self.optimizer.reduce_gradients()
+            grad_norm, loss = self._step_sums(norm_share, loss_part)
+            self.optimizer.apply(lr, grad_norm, skip=not math.isfinite(loss))
         self._sync()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
+        grad_norm = float(grad_norm)
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
-                  **self._check_numbers(loss, grad_norm),
-                  # with the pipeline bubble: one all-gather per step for every per-rank figure
-                  **self.observer.collect(self.step, dt, timeline.step_spans(),
-                                          bubble=timeline.last_bubble or 0.0)}
+                  **self.observer.throughput(dt)}
+        self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0))
+        record.update(self._check_numbers(loss, grad_norm))
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
+
+    def _step_sums(self, norm_share: torch.Tensor, loss_part: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The step's one collective: a sum over the world of this rank's share of the
+        squared gradient norm, its share of the loss (the last stage's loss on its first
+        tp rank; the dp ranks' losses average) and the previous step's per-rank figures.
+        Returns (global norm, loss) and completes the previous step's record.
+
+        Sums are taken in fp64 and rounded to fp32 before the square root and the division
+        by dp, which for two contributors is exactly the fp32 sum."""
+        topo, timeline = self.topo, self.schedule.timeline
+        counted = topo.tp_rank == 0  # tp ranks of the last stage hold the same loss
+        previous = self._pending
+        head = torch.stack([norm_share.reshape(()).double(),
+                            loss_part.reshape(()).double() if counted else torch.zeros((), dtype=torch.float64,
+                                                                                         device=loss_part.device)])
+        sums = torch.cat([head.to(self.device), self.observer.slots(previous and previous[1])])
+        self.watch.enter("step all-reduce (gradient norm, loss, per-rank metrics)", "world")
+        with timeline.span("step sums", "comm", lane="comm"):
+            all_reduce(sums, topo.world_group)
+        timeline.close_window(closing="step sums")
+        head = sums[:2].float()
+        if previous is not None:
+            self._complete(previous[0], self.observer.rows(sums[2:]))
+        return head[0].sqrt(), float(head[1] / topo.dp)
+
+    def _complete(self, record: dict, rows: list[list[float]]) -> None:
+        record.update(self.observer.per_rank(record["step"], rows))
+        self._pending = None
+        self._completed.append(record)
+
+    def finish_records(self) -> None:
+        """Complete the last step's record by a collective of its own (every rank calls
+        it: at the end of a run, before a checkpoint)."""
+        if self._pending is not None:
+            record, row = self._pending
+            self._complete(record, self.observer.gather(row))
+
+    def completed_records(self) -> list[dict]:
+        """Records completed since the last call (no collective)."""
+        done, self._completed = self._completed, []
+        return done
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -222,23 +268,37 @@ class Trainer:
 
     def fit(self, stop_at: int | None = None) -> list[dict]:
         """Train to ``train.steps`` (or stop after step ``stop_at``, as a run that is
-        interrupted and resumed later); returns the records of the steps run."""
+        interrupted and resumed later); returns the records of the steps run.
+
+        Rank 0 prints each step's line (or moves the progress bar) as the step ends, and
+        writes its record to metrics.jsonl and the sinks once the record is complete (one
+        step later; before a checkpoint and at the end all pending records are
+        completed, so metrics.jsonl holds every step a checkpoint covers)."""
         history = []
         bar = None
         if self.metrics is not None and wants_bar(self.cfg.observability.progress):
             bar = ProgressBar(self.cfg.train.steps)
         end = self.cfg.train.steps if stop_at is None else min(stop_at, self.cfg.train.steps)
         while self.step < end:
-            record = self.train_step()
+            try:
+                record = self.train_step()
+            except TrainingStopped:
+                self._report(self.completed_records(), bar)  # what finished before the stop
+                raise
             interval = self.cfg.eval.interval
             if interval and record["step"] % interval == 0:
                 record["val_loss"] = self.evaluate()
             history.append(record)
             if self.metrics is not None:
-                self._report(record, bar)
+                self._show(record, bar)
             if self.step == 1:  # every buffer exists after the first step
                 self._log_memory()
+            if self.checkpointer.due(self):
+                self.finish_records()
             self.checkpointer.maybe_save(self)
+            self._report(self.completed_records(), bar)
+        self.finish_records()
+        self._report(self.completed_records(), bar)
         if self.step >= self.cfg.train.steps:
             self.checkpointer.finish(self)
         else:
@@ -252,14 +312,25 @@ class Trainer:
         self.watch.close()
         return history
 
-    def _report(self, record: dict, bar: ProgressBar | None) -> None:
-        """Rank 0: the record to metrics.jsonl and the sinks; the bar or a log line."""
+    def _show(self, record: dict, bar: ProgressBar | None) -> None:
+        """Rank 0, as the step ends: the progress bar, or the console line every
+        ``log_interval`` steps and at the last."""
         step = record["step"]
-        on_interval = step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps
-        self.metrics.log(record, console=on_interval and bar is None)
-        self.sinks.log(record)
         if bar is not None:
             bar.update(record)
-        for s in record.get("stragglers", []):
-            print(("\n" if bar is not None else "") + straggler_warning(s, self.cfg.observability.straggler_factor),
-                  file=sys.stderr, flush=True)
+        elif step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps:
+            own_wait = self.schedule.timeline.step_breakdown().get("data", 0.0)
+            self.metrics.show(record, data_wait_s=own_wait)
+
+    def _report(self, records: list[dict], bar: ProgressBar | None) -> None:
+        """Rank 0, once records are complete: metrics.jsonl, the sinks, straggler warnings."""
+        if self.metrics is None:
+            return
+        for record in records:
+            self.metrics.log(record)
+            self.sinks.log(record)
+            if bar is not None:
+                bar.memory = record.get("peak_mem_bytes", bar.memory)
+            for s in record.get("stragglers", []):
+                print(("\n" if bar is not None else "") + straggler_warning(s, self.cfg.observability.straggler_factor),
+                      file=sys.stderr, flush=True)

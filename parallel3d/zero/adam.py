@@ -8,8 +8,10 @@ Both apply, to every element x of the shard with gradient g, at step t (from 1):
     x <- x - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
 which is ``torch.optim.AdamW`` (decoupled decay, eps added after the bias-corrected
-square root). :class:`FlatAdamW` uses the very ops and operation order of torch's foreach
-implementation, so it matches the zero=0 path to rounding. DeepSpeed's CPU Adam computes
+square root). :class:`FlatAdamW` runs torch's own fused AdamW kernel (the one
+``torch.optim.AdamW(fused=True)`` calls, which the zero=0 optimizer uses too) over views of
+the flat shards, so both paths apply the same arithmetic element by element: one pass over
+the shard instead of the ten of a foreach implementation. DeepSpeed's CPU Adam computes
 the same formula with float32 bias corrections (``1 - b1^t`` and ``1/sqrt(1 - b2^t)``
 kept in float32 and updated by multiplication) and fused multiply-adds, so it agrees to a
 few ulps per step, not bit for bit.
@@ -30,31 +32,35 @@ class FlatAdamW:
     """AdamW over per-bucket master shards ``masters[b]`` and one flat gradient ``grad``
     (the buckets' shards back to back, ``masters[b]`` matching ``grad[offsets[b]:]``).
 
-    ``decay_views`` are the pieces of the masters whose parameters take weight decay."""
+    ``runs`` lists ``(bucket, lo, hi, decays)`` in shard coordinates: the stretches of a
+    bucket's shard whose parameters do or do not take weight decay. Each becomes one view
+    of the masters, the gradient and the two moments; the fused kernel steps the decayed
+    views with ``weight_decay`` and the others without, in two calls."""
 
     def __init__(self, masters: list[torch.Tensor], grad: torch.Tensor, offsets: list[int],
-                 decay_views: list[torch.Tensor], cfg: TrainConfig):
+                 runs: list[tuple[int, int, int, bool]], cfg: TrainConfig):
         self.cfg = cfg
-        self.masters, self.grad, self.decay_views = masters, grad, decay_views
-        self.offsets = offsets  # where masters[b] sits in grad (and in the moments)
         self.exp_avg = torch.zeros_like(grad)
         self.exp_avg_sq = torch.zeros_like(grad)
-        self._m_views = self._split(self.exp_avg)
-
-    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + m.numel()] for o, m in zip(self.offsets, self.masters)]
+        self._groups: dict[bool, tuple[list, list, list, list]] = {True: ([], [], [], []),
+                                                                  False: ([], [], [], [])}
+        for b, lo, hi, decays in runs:
+            a, z = offsets[b] + lo, offsets[b] + hi
+            for views, t in zip(self._groups[decays],
+                                (masters[b][lo:hi], grad[a:z], self.exp_avg[a:z], self.exp_avg_sq[a:z])):
+                views.append(t)
+        self._t = torch.zeros((), dtype=torch.float32, device=grad.device)  # the step, as the kernel reads it
 
     @torch.no_grad()
     def step(self, t: int, lr: float) -> None:
         cfg = self.cfg
-        b1, b2 = cfg.beta1, cfg.beta2
-        if cfg.weight_decay != 0 and self.decay_views:
-            torch._foreach_mul_(self.decay_views, 1 - lr * cfg.weight_decay)
-        self.exp_avg.lerp_(self.grad, 1 - b1)
-        self.exp_avg_sq.mul_(b2).addcmul_(self.grad, self.grad, value=1 - b2)
-        step_size = (lr / (1 - b1 ** t)) * -1
-        denom = self.exp_avg_sq.sqrt().div_((1 - b2 ** t) ** 0.5).add_(cfg.eps)
-        torch._foreach_addcdiv_(self.masters, self._m_views, self._split(denom), step_size)
+        self._t.fill_(t)
+        for decays, (params, grads, exp_avgs, exp_avg_sqs) in self._groups.items():
+            if params:
+                torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], [self._t] * len(params),
+                                    lr=lr, beta1=cfg.beta1, beta2=cfg.beta2,
+                                    weight_decay=cfg.weight_decay if decays else 0.0, eps=cfg.eps,
+                                    amsgrad=False, maximize=False)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [self.exp_avg, self.exp_avg_sq]

@@ -35,7 +35,8 @@ from parallel3d.distributed import all_gather_flat, all_reduce
 from parallel3d.pipeline.timeline import comm_span
 from parallel3d.tensor_parallel.grad_sync import sum_over_tp_holders
 from parallel3d.topology import Topology
-from parallel3d.train.optim import applies_weight_decay, clip_coefficient, counts_in_norm
+from parallel3d.train.optim import (GlobalNormOptimizer, applies_weight_decay, clip_factor,
+                                    counts_in_norm, squared_norm)
 
 from .adam import CpuOffloadAdamW, FlatAdamW
 from .buckets import BucketLayout
@@ -51,7 +52,7 @@ def _unique(params) -> list[torch.nn.Parameter]:
     return out
 
 
-class ZeroOptimizer:
+class ZeroOptimizer(GlobalNormOptimizer):
     """AdamW with optimizer state (stage 1) and gradients (stage 2) sharded over dp.
 
     Same interface as :class:`~parallel3d.train.optim.DataParallelOptimizer`:
@@ -162,8 +163,7 @@ class ZeroOptimizer:
                      for o, m in zip(self.layout.shard_offsets(), self.masters)]
             self.adam = CpuOffloadAdamW(self.masters, views, runs, self.cfg)
         else:
-            decay_views = [self.masters[b][lo:hi] for b, lo, hi, d in runs if d]
-            self.adam = FlatAdamW(self.masters, grad, self.layout.shard_offsets(), decay_views, self.cfg)
+            self.adam = FlatAdamW(self.masters, grad, self.layout.shard_offsets(), runs, self.cfg)
 
     def _hook_forward(self, model: torch.nn.Module) -> None:
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -178,38 +178,33 @@ class ZeroOptimizer:
         self.reducer.zero()
 
     @torch.no_grad()
-    def step(self, lr: float, skip: bool = False) -> float:
+    def reduce_gradients(self) -> torch.Tensor:
+        """This rank's gradient shard, averaged over dp (its share of the squared norm:
+        the shard's owner pieces; the other shards and model parts are on other ranks)."""
         with comm_span(self.timeline, "grad sync"):
             self.wait_for_params()
-            grad = self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
+            self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
         # Parameters several tp ranks hold with partial gradients (norms under sequence
         # parallelism, replicated kv-heads): sum their pieces of the shard over the tp
         # holders. Summing commutes with the dp mean, and every rank of a tp group has the
         # same bucket layout and dp_rank, so the pieces line up.
         with comm_span(self.timeline, "grad norm"):
             sum_over_tp_holders(self._partial_pieces, self.topo)
-            norm = self._global_grad_norm()
+        return squared_norm(self._norm_views, self.reducer.shard.device)
+
+    @torch.no_grad()
+    def apply(self, lr: float, norm: torch.Tensor, skip: bool = False) -> None:
         if skip or not math.isfinite(float(norm)):  # same norm on every rank: all skip
-            return float(norm)
-        if self.cfg.grad_clip > 0:
-            grad.mul_(clip_coefficient(norm, self.cfg.grad_clip))
+            return
+        grad = self.reducer.shard
+        coef = clip_factor(norm, self.cfg.grad_clip)
+        if coef is not None:
+            grad.mul_(coef)
         self.step_count += 1
         if self.offload and self._grad_host is not grad:
             self._grad_host.copy_(grad)
         self.adam.step(self.step_count, lr)
         self._publish_params()
-        return float(norm)
-
-    def _global_grad_norm(self) -> torch.Tensor:
-        """sqrt of the sum of squares over every rank's shard: local owner pieces, then
-        all-reduced over dp (the other shards) and over tp x pp (the other model parts)."""
-        if self._norm_views:
-            sq = torch.stack(torch._foreach_norm(self._norm_views)).square().sum()
-        else:
-            sq = torch.zeros((), dtype=torch.float32, device=self.reducer.shard.device)
-        all_reduce(sq, self.dp_group)
-        all_reduce(sq, self.topo.mp_group)
-        return sq.sqrt()
 
     def _publish_params(self) -> None:
         """Updated master shards -> parameter buffer -> all-gathered to every dp rank.
