@@ -123,10 +123,44 @@ def set_cpu_threads(threads_per_proc: int) -> None:
     torch.set_num_threads(threads_per_proc)
 
 
+# Under this many bytes x ranks, a gloo all-reduce goes by one all-to-all (see all_reduce).
+GLOO_SMALL_BYTES = 4 * 2**20
+
+
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """In-place all-reduce; a no-op when ``group`` is None (a group of one)."""
-    if group is not None:
+    """In-place all-reduce (SUM, MAX or MIN); a no-op when ``group`` is None or has one rank.
+
+    On gloo, whose all-reduce runs 2(p-1) dependent message rounds (measured on the 2-core
+    machine for a few floats: 1.2 ms at 2 ranks, 5 ms at 4, 19 ms at 8), a tensor with
+    bytes x p <= ``GLOO_SMALL_BYTES`` is sent whole to every rank in one all-to-all
+    (0.6, 2.7 and 4.7 ms; 0.6 against 1.6 ms for 128 KiB at 2 ranks) and each rank folds
+    the p copies in rank order, so every rank gets the same bits. Larger tensors, and
+    every tensor on NCCL, take the backend's all-reduce."""
+    if group is None:
+        return t
+    p = dist.get_world_size(group)
+    if p == 1:
+        return t
+    small = t.numel() * t.element_size() * p <= GLOO_SMALL_BYTES
+    if not (small and dist.get_backend(group) == "gloo"):
         dist.all_reduce(t, op=op, group=group)
+        return t
+    if op == dist.ReduceOp.SUM:
+        fold = torch.Tensor.add_
+    elif op == dist.ReduceOp.MAX:
+        fold = lambda a, b: torch.maximum(a, b, out=a)  # noqa: E731
+    elif op == dist.ReduceOp.MIN:
+        fold = lambda a, b: torch.minimum(a, b, out=a)  # noqa: E731
+    else:
+        dist.all_reduce(t, op=op, group=group)
+        return t
+    mine = t.reshape(1, -1)
+    received = torch.empty((p, mine.shape[1]), dtype=t.dtype, device=t.device)
+    dist.all_to_all_single(received, mine.expand(p, -1).contiguous(), group=group)
+    acc = received[0]
+    for r in range(1, p):
+        fold(acc, received[r])
+    t.copy_(acc.view(t.shape))
     return t
 
 

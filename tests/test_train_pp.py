@@ -199,3 +199,57 @@ def test_measured_bubble_follows_theory(pools):
     theory = theoretical_bubble("1f1b", 2, 1, m)  # 1/5
     assert 0.8 * theory < one_f < 1.5 * theory, one_f
     assert 0.8 * theoretical_bubble("interleaved", 2, 2, m) < inter < one_f, (inter, one_f)
+
+
+def _count_step_collectives(job: dict) -> dict:
+    """Steps 1 and 2 by hand, counting the collectives step 2 issues outside the pipeline's
+    sends and receives; whether each record held its per-rank figures when."""
+    import torch.distributed as dist
+
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp), log=False)
+    first = trainer.train_step()
+    calls: list[tuple[str, str]] = []
+    saved = {}
+    for name in ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object",
+                 "broadcast", "reduce_scatter_tensor", "all_to_all_single", "barrier"):
+        if not hasattr(dist, name):
+            continue
+        saved[name] = getattr(dist, name)
+
+        def counting(*args, _name=name, **kwargs):
+            group = kwargs.get("group")
+            calls.append((_name, "world" if group in (None, dist.group.WORLD) else str(dist.get_process_group_ranks(group))))
+            return saved[_name](*args, **kwargs)
+
+        setattr(dist, name, counting)
+    try:
+        first_done_before = "rank_step_time_s" in first
+        second = trainer.train_step()
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    state = {"first_done_before": first_done_before, "first_done": "rank_step_time_s" in first,
+             "second_done": "rank_step_time_s" in second}
+    trainer.finish_records()
+    state["second_done_after_finish"] = "rank_step_time_s" in second
+    state["bubble"] = second["bubble_fraction"]
+    trainer.data.loader.close()
+    return {"calls": calls, **state}
+
+
+def test_a_step_closes_with_one_world_all_reduce(pools, corpus_dir, tmp_path):
+    """pp2 x dp2 (zero 0): besides the pipeline's point-to-point traffic a step issues the
+    dp gradient all-reduce and one world all-reduce that carries the norm, the loss and the
+    previous step's per-rank figures; nothing else (no loss sums, no metrics gather). On
+    gloo a small all-reduce is one all-to-all (parallel3d.distributed.all_reduce)."""
+    job = _job(corpus_dir, str(tmp_path), pp=2, dp=2, schedule="1f1b")
+    job["eval"] = {"interval": 0}
+    for rank, out in enumerate(pools(4).run(_count_step_collectives, job)):
+        world = [c for c in out["calls"] if c[1] == "world"]
+        assert len(world) == 1 and world[0][0] in ("all_reduce", "all_to_all_single"), (rank, out["calls"])
+        others = [c for c in out["calls"] if c[1] != "world"]
+        assert others and all(name == "all_reduce" for name, _ in others), (rank, others)  # dp gradients
+        assert not out["first_done_before"] and out["first_done"], rank  # completed by step 2's sums
+        assert not out["second_done"] and out["second_done_after_finish"], rank
+        assert 0.0 < out["bubble"] < 1.0, (rank, out["bubble"])

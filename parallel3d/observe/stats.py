@@ -43,6 +43,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from parallel3d.distributed import all_reduce
 from parallel3d.flops import mfu, model_flops_per_token
 from parallel3d.planner.hardware import GPU, GPUS
 
@@ -157,10 +158,7 @@ class StepObserver:
 
     def gather(self, row: list[float]) -> list[list[float]]:
         """Every rank's row by a collective of its own (the last step of a run)."""
-        sums = self.slots(row)
-        if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
-            dist.all_reduce(sums)
-        return self.rows(sums)
+        return self.rows(all_reduce(self.slots(row), self.topo.world_group))
 
     def rows(self, sums: torch.Tensor) -> list[list[float]]:
         return sums.view(self.topo.world_size, self.ROW).tolist()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel3d.distributed import reduce_scatter_flat
+from parallel3d.distributed import all_reduce, reduce_scatter_flat
 
 SEQ_DIM = 1  # activations are (B, S, H)
 
@@ -43,9 +43,7 @@ def group_rank(group) -> int:
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
-    x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    return all_reduce(x.contiguous(), group)
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:

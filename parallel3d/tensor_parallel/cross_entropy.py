@@ -20,15 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import group_size
+from parallel3d.distributed import all_reduce
 
 from parallel3d.kernels.cross_entropy import ce_local_grad, ce_local_stats
-
-
-def _all_reduce(t: torch.Tensor, group, op) -> torch.Tensor:
-    if group_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -38,9 +32,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = max(0, min(v, vocab_size - vocab_start))  # columns past vocab_size are padding
         local = targets - vocab_start  # (N,), outside [0, valid) when another rank owns it
         m_mine, s_mine, z_t = ce_local_stats(logits, local, valid, backend)  # (N,) fp32 each
-        m = _all_reduce(m_mine.clone(), group, dist.ReduceOp.MAX)
+        m = all_reduce(m_mine.clone(), group, dist.ReduceOp.MAX)
         rescale = torch.exp(m_mine - m).masked_fill(m_mine == float("-inf"), 0.0)
-        summed = _all_reduce(torch.stack([s_mine * rescale, z_t]), group, dist.ReduceOp.SUM)
+        summed = all_reduce(torch.stack([s_mine * rescale, z_t]), group, dist.ReduceOp.SUM)
         s, z_t = summed[0], summed[1]
         ctx.save_for_backward(logits, local, m, s)
         ctx.valid, ctx.backend = valid, backend

@@ -20,8 +20,9 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from parallel3d.distributed import all_reduce
 
 
 def partial_grad_params(params) -> list[torch.nn.Parameter]:
@@ -50,14 +51,14 @@ def sum_over_tp_holders(pieces: list[tuple[torch.Tensor, int]], topo) -> None:
     for shared, grads in sorted(by_shared.items()):
         flat = _flatten_dense_tensors(grads)  # (n,)
         if shared == topo.tp:
-            dist.all_reduce(flat, group=topo.tp_group)
+            all_reduce(flat, topo.tp_group)
         else:
             # Holders are runs of `shared` consecutive tp ranks. Each rank writes its part
             # into the row of its run in a (tp/shared, n) buffer of zeros; one all-reduce
             # over the tp group then sums every run at once, with no extra process groups.
             runs = torch.zeros(topo.tp // shared, flat.numel(), dtype=flat.dtype, device=flat.device)
             runs[topo.tp_rank // shared] = flat
-            dist.all_reduce(runs, group=topo.tp_group)
+            all_reduce(runs, topo.tp_group)
             flat = runs[topo.tp_rank // shared]
         for g, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(summed)

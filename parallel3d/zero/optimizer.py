@@ -31,7 +31,7 @@ from functools import partial
 import torch
 
 from parallel3d.config import TrainConfig
-from parallel3d.distributed import all_gather_flat, all_reduce
+from parallel3d.distributed import all_gather_flat
 from parallel3d.pipeline.timeline import comm_span
 from parallel3d.tensor_parallel.grad_sync import sum_over_tp_holders
 from parallel3d.topology import Topology
