@@ -124,6 +124,12 @@ def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _com
                                            **kw, **job_kw)
     ours = _common.summarize("parallel3d", ours_runs, args.warmup, tokens, mem.get("parallel3d"))
     ours.error = breakdown(ours_runs, args.warmup, row.layout.get("pp", 1) > 1)
+    tails = {"parallel3d": first_stage_tail(ours_runs, args.warmup)}
+    tails.update({p: first_stage_tail(runs, args.warmup) for p, runs in peer_runs.items() if p not in errors})
+    tails = {k: v for k, v in tails.items() if v is not None}
+    if len(tails) > 1:
+        ours.error += "; first stage's tail (end of its last backward to the end of the step), median ms: " + \
+            ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tails.items())
     out = []
     for peer_name, *_ in row.peers:
         if peer_name in errors:
@@ -158,6 +164,14 @@ def breakdown(runs, warmup: int, pipeline: bool) -> str:
     if pipeline and bubbles:
         text += f"; pipeline bubble {statistics.median(bubbles):.2f} (idle share of the step window)"
     return text
+
+
+def first_stage_tail(runs, warmup: int) -> float | None:
+    """Median over steps after warm-up of rank 0's ``extra["tail"]`` (seconds from the end
+    of the pipeline's work on the first stage to the end of the step: gradient sync,
+    norm, clipping, the update, closing collectives), or None if the side records none."""
+    tails = [t for ranks in runs for t in ranks[0].extra.get("tail", [])[warmup:]]
+    return statistics.median(tails) if tails else None
 
 
 def _first_error_line(text: str) -> str:

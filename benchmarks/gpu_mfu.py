@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import GlobalBatches, PeakMemory, adamw, initial_model, job  # noqa: E402
+from _common import GlobalBatches, PeakMemory, initial_model, job  # noqa: E402
 
 
 def _flops():

@@ -9,6 +9,7 @@ the step's loss (mean over the global batch, the same on every rank) and peak me
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import torch.distributed as dist
@@ -89,8 +90,10 @@ def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Ru
             records.append(record)
             run.times.append(dt)
             run.losses.append(record["loss"])
-            run.extra.setdefault("breakdown", []).append(
-                {**step_breakdown(trainer.schedule.timeline.step_spans(), dt), "step": dt})
+            spans = trainer.schedule.timeline.step_spans()
+            run.extra.setdefault("breakdown", []).append({**step_breakdown(spans, dt), "step": dt})
+            if cfg.parallel.pp > 1:  # from the end of this rank's last backward
+                run.extra.setdefault("tail", []).append(dt - max(t1 for cat, _, t1 in spans if cat == "backward"))
         trainer.finish_records()  # the last step's per-rank figures (the bubble), untimed
         run.extra["bubble_fraction"] = [r["bubble_fraction"] for r in records]
     run.peak = mem.peak
@@ -256,10 +259,12 @@ def run_torch_pipelining(layout: dict, steps: int, memory_run: bool = False, **j
                 schedule.step(target=y.to(device), losses=losses)
             else:
                 schedule.step()
+            pipeline_done = time.perf_counter()
             clip_global_norm(params, cfg.train.grad_clip, group=dist.group.WORLD)
             opt.step()
             loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
             dist.broadcast(loss, src=pp - 1)  # the loss lives on the last stage
+            run.extra.setdefault("tail", []).append(time.perf_counter() - pipeline_done)
             return loss
 
         _time_steps(run, step, steps, device)
