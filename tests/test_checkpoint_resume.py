@@ -53,6 +53,33 @@ def test_resume_1x1x1_is_bit_exact(corpus_dir, tmp_path):
     assert steps == list(range(1, STEPS + 1))
 
 
+def test_a_crash_after_a_checkpoint_keeps_its_steps_in_metrics(corpus_dir, tmp_path):
+    """A step's record reaches metrics.jsonl with the next step's collective; before a
+    checkpoint the trainer completes it, so a process that dies right after saving step 5
+    leaves records 1-5, and the resumed run continues from there without a gap."""
+    job = _job(corpus_dir, tmp_path)
+    trainer = Trainer(config_from_dict(job), Topology.single())
+    save = trainer.checkpointer.maybe_save
+
+    def save_then_die(t):
+        saved = save(t)
+        if saved and t.step == 5:
+            raise KeyboardInterrupt  # the process dies here, before step 6
+        return saved
+
+    trainer.checkpointer.maybe_save = save_then_die
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    trainer.checkpointer.writer.wait()
+    trainer.data.loader.close()
+    path = tmp_path / "metrics.jsonl"
+    records = [json.loads(line) for line in path.open()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all("rank_step_time_s" in r for r in records)  # complete records, not partial ones
+    _losses(job)  # resumes at step 5
+    assert [json.loads(line)["step"] for line in path.open()] == list(range(1, STEPS + 1))
+
+
 def test_tp2_dp2_resume_is_bit_exact_and_reshards(pools, corpus_dir, tmp_path):
     pool = pools(4)
     straight = pool.run(_losses, _job(corpus_dir, tmp_path / "straight", tp=2, dp=2))[0]

@@ -294,9 +294,9 @@ class Trainer:
             if self.step == 1:  # every buffer exists after the first step
                 self._log_memory()
             if self.checkpointer.due(self):
-                self.finish_records()
-            self.checkpointer.maybe_save(self)
+                self.finish_records()  # metrics.jsonl holds every step the checkpoint covers
             self._report(self.completed_records(), bar)
+            self.checkpointer.maybe_save(self)
         self.finish_records()
         self._report(self.completed_records(), bar)
         if self.step >= self.cfg.train.steps:
