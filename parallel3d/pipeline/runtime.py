@@ -20,7 +20,6 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallel3d.distributed import all_reduce
@@ -211,13 +210,10 @@ class PipelineSchedule:
     def step_metrics(self) -> dict:
         """``bubble_fraction``: idle share of the last step's window, mean over all ranks
         (the same value on every rank), by its own all-reduce. The trainer does not call
-        this: its StepObserver gathers the bubble with the step's other per-rank figures."""
-        bubble = torch.tensor([self.timeline.last_bubble or 0.0], dtype=torch.float64)
-        if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
-            bubble = bubble.to(self.device)
-            dist.all_reduce(bubble)
-            bubble /= self.topo.world_size
-        return {"bubble_fraction": float(bubble)}
+        this: the bubble rides its one collective per step with the other per-rank figures."""
+        bubble = torch.tensor([self.timeline.last_bubble or 0.0], dtype=torch.float64, device=self.device)
+        all_reduce(bubble, self.topo.world_group)
+        return {"bubble_fraction": float(bubble) / self.topo.world_size}
 
 
 def build_schedule(model: nn.Module, loss_fn, topo, parallel_cfg, *, activation_shape: tuple[int, ...],

@@ -150,9 +150,8 @@ class DataParallelOptimizer(GlobalNormOptimizer):
             sync_tensor_parallel_grads(self.params, self.topo)
             all_reduce_gradients(self.params, self.topo.dp_group, self.topo.dp)
         # After the dp mean every dp rank holds the same gradients: dp rank 0 counts them.
-        grads = [p.grad for p in self.params if p.grad is not None and counts_in_norm(p)]
-        sq = squared_norm(grads if self.topo.dp_rank == 0 else [], self.params[0].device)
-        return sq
+        counted = [p.grad for p in self.params if p.grad is not None and counts_in_norm(p)]
+        return squared_norm(counted if self.topo.dp_rank == 0 else [], self.params[0].device)
 
     @torch.no_grad()
     def apply(self, lr: float, norm: torch.Tensor, skip: bool = False) -> None:

@@ -171,12 +171,11 @@ class Trainer:
         Sums are taken in fp64 and rounded to fp32 before the square root and the division
         by dp, which for two contributors is exactly the fp32 sum."""
         topo, timeline = self.topo, self.schedule.timeline
-        counted = topo.tp_rank == 0  # tp ranks of the last stage hold the same loss
+        # the tp ranks of the last stage hold the same loss: the first one counts it
+        loss_share = loss_part if topo.tp_rank == 0 else torch.zeros_like(loss_part)
+        head = torch.stack([norm_share.reshape(()), loss_share.reshape(())]).double().to(self.device)
         previous = self._pending
-        head = torch.stack([norm_share.reshape(()).double(),
-                            loss_part.reshape(()).double() if counted else torch.zeros((), dtype=torch.float64,
-                                                                                         device=loss_part.device)])
-        sums = torch.cat([head.to(self.device), self.observer.slots(previous and previous[1])])
+        sums = torch.cat([head, self.observer.slots(previous[1] if previous else None)])
         self.watch.enter("step all-reduce (gradient norm, loss, per-rank metrics)", "world")
         with timeline.span("step sums", "comm", lane="comm"):
             all_reduce(sums, topo.world_group)

@@ -76,7 +76,6 @@ class ZeroOptimizer(GlobalNormOptimizer):
             raise ValueError(f"ZeroOptimizer stage must be 1 or 2, got {stage}")
         self.params = _unique(params)
         self.cfg, self.topo, self.stage, self.offload = cfg, topo, stage, offload
-        self.timeline = None  # the trainer's Timeline: collective waits recorded as "comm" spans
         self.dp, self.dp_rank = topo.dp, topo.dp_rank
         self.dp_group = topo.dp_group if topo.dp > 1 else None
         device = self.params[0].device
@@ -179,8 +178,9 @@ class ZeroOptimizer(GlobalNormOptimizer):
 
     @torch.no_grad()
     def reduce_gradients(self) -> torch.Tensor:
-        """This rank's gradient shard, averaged over dp (its share of the squared norm:
-        the shard's owner pieces; the other shards and model parts are on other ranks)."""
+        """Reduce the gradients into this rank's fp32 shard (summed over micro-batches,
+        averaged over dp); return the shard's share of the squared global norm (its owner
+        pieces: the other shards and model parts are counted on other ranks)."""
         with comm_span(self.timeline, "grad sync"):
             self.wait_for_params()
             self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
