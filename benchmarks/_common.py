@@ -1,9 +1,10 @@
 """What every side-by-side benchmark shares: the job, the data, the optimizer settings,
 the timing and memory probes, and the median/ratio table.
 
-Every side (parallel3d or a peer) trains the model of ``job(...)``, built by
-``Llama(model_cfg)`` after ``torch.manual_seed(train.seed)`` (the trainer does the same,
-so the initial weights are identical), on the global batches of
+Every side (parallel3d or a peer) trains the model of ``job(...)``, initialised by
+``init_llama_(Llama(model_cfg), train.seed)`` (the counter-based initialisation the
+trainer applies shard by shard, so the initial weights are identical), on the global
+batches of
 :func:`global_batch` (the trainer's own sampler at dp=1: any dp degree sees the same
 global batch, rank ``r`` its ``r``-th contiguous slice), with AdamW at a constant lr,
 weight decay on >= 2-D parameters only, and clipping of the global gradient norm.
@@ -45,10 +46,10 @@ def job(layout: dict, steps: int, global_batch: int = 8, micro_batch: int = 2, s
 
 def initial_model(cfg: JobConfig) -> Llama:
     """The full model with the trainer's initial weights."""
+    from parallel3d.models.llama.sharded_init import init_llama_
     from parallel3d.train.setup import resolve_model_config
 
-    torch.manual_seed(cfg.train.seed)
-    return Llama(resolve_model_config(cfg.model))
+    return init_llama_(Llama(resolve_model_config(cfg.model)), cfg.train.seed)
 
 
 class GlobalBatches:

@@ -13,7 +13,8 @@ trainer is built, so the parameters and the optimizer state are counted too. Not
 counted: memory outside PyTorch's allocator (gloo's buffers, the Python heap).
 
 Predicted: ``parallel3d.planner.memory`` for the same workload and layout, the rank's
-stage peak without the GPU fragmentation margin (no caching allocator on CPU). Ratio =
+stage peak of a training step (start-up is outside the measured window), with gloo's
+receive buffers, without the GPU fragmentation margin (no caching allocator on CPU). Ratio =
 predicted / measured; acceptance is |ratio - 1| <= 15% for every layout.
 
 Known measurement limit: the profiler records allocations and frees on the threads it
@@ -138,7 +139,7 @@ def predict(job: dict) -> list[int]:
 
     cfg = config_from_dict(job)
     work = Workload(resolve_model_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch, "fp32")
-    return [s.peak for s in memory_per_stage(work, Layout.from_config(cfg))]
+    return [s.training_peak for s in memory_per_stage(work, Layout.from_config(cfg), gloo=True)]
 
 
 def run(layouts=LAYOUTS, out=print) -> list[dict]:

@@ -12,6 +12,13 @@ interpreter's timings mean nothing). Ranks that tuned independently could pick
 different tiles and so sum in different orders; to prevent that, tune on one rank and
 ship `tuned_configs()` (a JSON-serialisable dict) to the others, which call
 `load_tuned_configs`. This module never imports torch.distributed.
+
+The same goes for the choice between the Triton GEMM and torch's (cuBLAS) under
+``backend="auto"``: `record_backend_choice` stores, per GPU model and GEMM
+(``kind, dtype, M, N, K``), which of the two was measured faster (Triton only if at least
+as fast); `prefers_triton` answers from that table and says False for anything not in
+it, so an unmeasured shape never runs Triton. `backend_choices` / `load_backend_choices`
+ship the table between ranks exactly like the tile table.
 """
 from __future__ import annotations
 
@@ -61,9 +68,9 @@ class TileConfig:
 # Hopper (sm_90) candidates for 16-bit inputs; 8 warps = two warpgroups, the natural
 # split of a 128-row wgmma tile. Compiled offline for sm_90a (bench_linear.py
 # --compile-sm90): all pipeline onto async copies + wgmma and fit the 227 KiB of shared
-# memory (at most 180 KiB, 256x128 with the SiLU-backward prologue). Without fused extras
-# none spills; with them only 128x128x64/w8 is free of spills and of wgmma serialisation
-# in every variant, which is why the heuristic falls back to it.
+# memory. Without fused extras none spills; with them (bias, bias-grad row sum, main-grad
+# read) 128x256x64/w8 spills (248 bytes in the wgrad+db+main_grad variant, triton 3.9)
+# while 128x128x64/w8 spills in no variant, which is why the heuristic falls back to it.
 HOPPER_16BIT = (
     TileConfig(128, 256, 64, 8, 8, 3),
     TileConfig(256, 128, 64, 8, 8, 3),
@@ -83,6 +90,8 @@ HOPPER_FP32 = (
 )
 
 _TUNED: dict[str, TileConfig] = {}  # process-local cache, filled by autotune/load
+_CHOICES: dict[str, str] = {}  # "GPU name|kind:dtype:MxNxK" -> "triton" or "torch"
+BACKEND_NAMES = ("triton", "torch")
 
 
 def config_key(kind: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
@@ -106,8 +115,8 @@ def heuristic_config(dtype: torch.dtype, m: int, n: int, k: int, *, interpreted:
                      fused_extras: bool = False) -> TileConfig:
     """A config computed from the shape alone, so every rank derives the same one.
 
-    ``fused_extras``: the launch also does bias/activation/pre-activation stores, the SiLU
-    backward prologue, a row sum or a main-grad read; these need registers.
+    ``fused_extras``: the launch also adds a bias, sums rows (the bias gradient) or reads
+    the fp32 main grad; these need registers.
     Under the Triton interpreter the cost is per program and per K step, not per flop,
     so use the biggest tiles the shape allows (capped at 64 to bound numpy temporaries).
     """
@@ -183,3 +192,52 @@ def autotune(kind: str, dtype: torch.dtype, m: int, n: int, k: int,
     best = min(timings, key=timings.get)
     _TUNED[config_key(kind, dtype, m, n, k)] = best
     return best
+
+
+# -------------------------------------------------------- Triton or torch, per GEMM
+def choice_key(device_name: str, kind: str, dtype: torch.dtype, m: int, n: int, k: int) -> str:
+    """The backend-table key, e.g. ``"NVIDIA H200|fwd:bfloat16:8192x1536x4096"``."""
+    if not device_name or "|" in device_name:
+        raise ValueError(f"device name {device_name!r}: expected a non-empty name without '|'")
+    return f"{device_name}|{config_key(kind, dtype, m, n, k)}"
+
+
+def record_backend_choice(device_name: str, kind: str, dtype: torch.dtype, m: int, n: int, k: int,
+                          triton_s: float, torch_s: float) -> str:
+    """Store the faster backend of one measured GEMM (Triton when at least as fast); return it."""
+    if not (triton_s > 0 and torch_s > 0):
+        raise ValueError(f"GEMM timings must be positive seconds, got triton {triton_s!r}, torch {torch_s!r}")
+    best = "triton" if triton_s <= torch_s else "torch"
+    _CHOICES[choice_key(device_name, kind, dtype, m, n, k)] = best
+    return best
+
+
+def prefers_triton(device_name: str, kind: str, dtype: torch.dtype, m: int, n: int, k: int) -> bool:
+    """True only if this GEMM on this GPU model was measured and Triton won."""
+    return _CHOICES.get(choice_key(device_name, kind, dtype, m, n, k)) == "triton"
+
+
+def backend_choices() -> dict:
+    """The measured choices of this process, ``{key: "triton" | "torch"}`` (JSON-serialisable)."""
+    return {key: _CHOICES[key] for key in sorted(_CHOICES)}
+
+
+def load_backend_choices(table: dict, *, replace: bool = True) -> None:
+    """Adopt another rank's `backend_choices()`; validated whole before anything changes."""
+    if not isinstance(table, dict):
+        raise ValueError(f"load_backend_choices expects a dict from backend_choices(), got {type(table).__name__}")
+    for key, value in table.items():
+        name, _, gemm = key.partition("|") if isinstance(key, str) else ("", "", "")
+        parts = gemm.split(":")
+        dims = parts[2].split("x") if len(parts) == 3 else []
+        if (not name or len(parts) != 3 or parts[0] not in KERNEL_KINDS or parts[1] not in _DTYPE_NAMES.values()
+                or len(dims) != 3 or not all(d.isdigit() for d in dims) or value not in BACKEND_NAMES):
+            raise ValueError(f"backend choice {key!r}: {value!r}: expected 'GPU|kind:dtype:MxNxK': "
+                             f"'triton' or 'torch' as made by record_backend_choice")
+    if replace:
+        _CHOICES.clear()
+    _CHOICES.update(table)
+
+
+def clear_backend_choices() -> None:
+    _CHOICES.clear()

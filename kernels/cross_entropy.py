@@ -8,7 +8,9 @@ target column ``t`` in local numbering (outside [0, n_valid) when another rank o
             m_i = max_j Z_ij,  s_i = sum_j exp(Z_ij - m_i),  z_i = Z_i,t_i (0 if not mine)
     grad    one pass:  G_ij = (exp(Z_ij - M_i) / S_i - [j == t_i]) * c_i   (0 on padding)
             with the global max M and sum S (after the collectives) and the upstream
-            gradient c of each row's loss.
+            gradient c of each row's loss. A row with c = 0 (a target that is not
+            trained on, ``ignore_index``) is a zero row: the kernel reads none of its
+            logits; the reference multiplies by the 0.
 
 Nothing here communicates: ``parallel3d.tensor_parallel.cross_entropy`` runs ``stats``,
 combines (m, s, z) over the tp ranks and saves Z; its backward runs ``grad``. Neither
@@ -17,7 +19,9 @@ stored. Arithmetic is fp32 whatever the logits' dtype; the gradient comes back i
 
 Dispatch: ``backend`` "auto" runs Triton on CUDA tensors and the torch reference
 (``*_ref``) on CPU, "triton" forces the kernels (on CPU under ``TRITON_INTERPRET=1``
-set before triton is imported), "torch" the reference.
+set before triton is imported), "torch" the reference. The two Triton passes are torch
+custom ops (``torch.ops.parallel3d.ce_local_stats`` / ``ce_local_grad``, with fake
+implementations), so ``torch.compile`` and checkpointing policies see each as one op.
 """
 
 from __future__ import annotations
@@ -74,10 +78,12 @@ def _grad_kernel(z_ptr, g_ptr, t_ptr, m_ptr, s_ptr, c_ptr, n_valid, n_cols, stri
     inv_s = 1.0 / tl.load(s_ptr + row)
     c = tl.load(c_ptr + row).to(tl.float32)
     t = tl.load(t_ptr + row)
+    n_read = tl.where(c != 0.0, n_valid, 0)  # a row with c = 0 reads no logit
     for start in range(0, n_cols, BLOCK_V):
         j = start + cols
-        z = tl.load(z_ptr + row * stride_z + j, mask=j < n_valid, other=float("-inf")).to(tl.float32)
-        p = tl.exp(z - m) * inv_s  # 0 on padding columns
+        # padding columns, and every column of a row with c = 0, read as -inf: p = 0
+        z = tl.load(z_ptr + row * stride_z + j, mask=j < n_read, other=float("-inf")).to(tl.float32)
+        p = tl.exp(z - m) * inv_s
         g = (p - tl.where((j == t) & (t < n_valid), 1.0, 0.0)) * c
         tl.store(g_ptr + row * stride_g + j, g.to(g_ptr.dtype.element_ty), mask=j < n_cols)
 
@@ -122,11 +128,7 @@ def ce_local_stats(z: torch.Tensor, target: torch.Tensor, n_valid: int, backend:
     _check(z, target, n_valid)
     if not _use_triton(z, backend):
         return ce_local_stats_ref(z, target, n_valid)
-    n = z.shape[0]
-    m, s, zt = (torch.empty(n, dtype=torch.float32, device=z.device) for _ in range(3))
-    if n:
-        _stats_kernel[(n,)](z, target, m, s, zt, n_valid, z.stride(0), BLOCK_V=_block(n_valid))
-    return m, s, zt
+    return torch.ops.parallel3d.ce_local_stats(z, target, n_valid)
 
 
 def ce_local_grad(z: torch.Tensor, target: torch.Tensor, n_valid: int, m: torch.Tensor,
@@ -136,12 +138,38 @@ def ce_local_grad(z: torch.Tensor, target: torch.Tensor, n_valid: int, m: torch.
     _check(z, target, n_valid)
     if not _use_triton(z, backend):
         return ce_local_grad_ref(z, target, n_valid, m, s, scale)
-    g = torch.empty_like(z, memory_format=torch.contiguous_format)
     scale = scale.expand(z.shape[0]).contiguous()  # the expanded grad of a mean
+    return torch.ops.parallel3d.ce_local_grad(z, target, n_valid, m, s, scale)
+
+
+# --------------------------------------------------- the Triton passes as custom ops
+@torch.library.custom_op("parallel3d::ce_local_stats", mutates_args=())
+def _stats_op(z: torch.Tensor, target: torch.Tensor, n_valid: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n = z.shape[0]
+    m, s, zt = (torch.empty(n, dtype=torch.float32, device=z.device) for _ in range(3))
+    if n:
+        _stats_kernel[(n,)](z, target, m, s, zt, n_valid, z.stride(0), BLOCK_V=_block(n_valid))
+    return m, s, zt
+
+
+@torch.library.custom_op("parallel3d::ce_local_grad", mutates_args=())
+def _grad_op(z: torch.Tensor, target: torch.Tensor, n_valid: int, m: torch.Tensor, s: torch.Tensor,
+             scale: torch.Tensor) -> torch.Tensor:
+    g = torch.empty_like(z, memory_format=torch.contiguous_format)
     if z.shape[0] and z.shape[1]:
         _grad_kernel[(z.shape[0],)](z, g, target, m, s, scale, n_valid, z.shape[1], z.stride(0),
                                     g.stride(0), BLOCK_V=_block(z.shape[1]))
     return g
+
+
+@_stats_op.register_fake
+def _(z, target, n_valid):
+    return tuple(z.new_empty(z.shape[0], dtype=torch.float32) for _ in range(3))
+
+
+@_grad_op.register_fake
+def _(z, target, n_valid, m, s, scale):
+    return torch.empty_like(z, memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------- torch reference

@@ -1,9 +1,9 @@
-"""``parallel3d`` command line.
+"""parallel3d: train LLMs with tensor, pipeline and data parallelism.
 
-    parallel3d train [RECIPE] [--dry-run] [--section.key=value ...]
+    parallel3d train [RECIPE] [--dry-run [--gpu NAME | --gpu-spec K=V,...]] [--section.key=value ...]
     parallel3d report RUN_DIR
-    parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N --gpus-per-node G --gpu GPU ...
-    parallel3d convert SRC DST --to {hf,parallel3d} [--config CONFIG.json] [--dtype D]
+    parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N (--gpu NAME | --gpu-spec K=V,...) [...]
+    parallel3d convert SRC DST --to {hf,parallel3d,dcp} [--config CONFIG.json] [--dtype D]
     parallel3d prepare-data INPUTS... --tokenizer DIR --out DIR [options]
 
 With no recipe, ``train`` runs the embedded ``recipes/debug_cpu.toml``. Errors the user
@@ -14,7 +14,9 @@ argument added by a launcher (DeepSpeed's) is dropped: the rank comes from LOCAL
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from importlib import resources
 
 from parallel3d.errors import EXIT_USAGE, UserError
@@ -30,36 +32,81 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.train.setup import (check_job, check_paths, check_vocab, job_world_size,
                                         resolve_model_config)
 
+    started = time.monotonic()
     cfg = load_config(args.recipe or default_recipe(), overrides)
     world = job_world_size(cfg)  # checks launch.nnodes and launch.nproc
     if under_torchrun():
         world = env_world_size()
     if args.dry_run:
+        from parallel3d.planner.cli import gpu_from_args
         from parallel3d.train.dryrun import dry_run
 
-        dry_run(cfg, world)
+        dry_run(cfg, world, gpu=gpu_from_args(args))
         return 0
+    if args.gpu or args.gpu_spec:
+        raise UserError("--gpu / --gpu-spec say whether a job fits a GPU: use them with --dry-run")
     if cfg.launch.nnodes > 1 and not under_torchrun():
         raise UserError(f"launch.nnodes {cfg.launch.nnodes} > 1: start the job with torchrun on every node "
                         "(or check it here with --dry-run)")
-    check_job(cfg, resolve_model_config(cfg.model), world)  # fail before any worker starts
-    pick_backend(cfg.launch.backend)
+    model = resolve_model_config(cfg.model)
+    check_job(cfg, model, world)  # fail before any worker starts
+    backend = pick_backend(cfg.launch.backend)
     check_paths(cfg)
+    speaks = int(os.environ.get("RANK", "0")) == 0  # the launching process, or rank 0 of torchrun's
+    if speaks:
+        _print_lines(_banner(cfg, model, world, backend))
 
     from parallel3d.train.worker import run_worker, worker_main
 
     if under_torchrun() or cfg.launch.nproc == 1:
-        return run_worker(cfg.to_dict())
-    from parallel3d.launch import launch_local
-    from parallel3d.train.data import prepare_corpus
+        code = run_worker(cfg.to_dict())
+    else:
+        from parallel3d.launch import launch_local
+        from parallel3d.train.data import prepare_corpus
 
-    corpus = prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
-    check_vocab(corpus.vocab_size, resolve_model_config(cfg.model))
-    if cfg.model.hf_checkpoint:
-        from parallel3d.data.tokenizer import check_same_tokenizer
+        corpus = prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
+        check_vocab(corpus.vocab_size, model)
+        if cfg.model.hf_checkpoint:
+            from parallel3d.data.tokenizer import check_same_tokenizer
 
-        check_same_tokenizer(corpus, cfg.model.hf_checkpoint)
-    return launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
+            check_same_tokenizer(corpus, cfg.model.hf_checkpoint)
+        code = launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
+    if code == 0 and speaks:
+        _print_lines(_summary(cfg, time.monotonic() - started))
+    return code
+
+
+def _print_lines(lines: list[str]) -> None:
+    print("\n".join(lines), flush=True)
+
+
+def _banner(cfg, model, world: int, backend: str) -> list[str]:
+    from parallel3d.data.stdlib import describe
+    from parallel3d.observe.console import banner
+    from parallel3d.planner.spec import layer_split
+    from parallel3d.train.metrics import resolved_config
+
+    par = cfg.parallel
+    split = layer_split(model, par.pp, par.virtual_stages, par.pp_layers)
+    data = f"prepared dataset {cfg.data.path}" if cfg.data.path else describe(cfg.data)
+    return banner(cfg, model, world, split, backend, resolved_config(cfg).train.dtype, data)
+
+
+def _summary(cfg, wall_s: float) -> list[str]:
+    from pathlib import Path
+
+    from parallel3d.observe.console import outputs, summary
+    from parallel3d.observe.report import load_metrics
+
+    run_dir = Path(cfg.run.dir)
+    try:
+        records = load_metrics(run_dir)
+    except UserError as e:  # the run is over: say why there is no summary, do not fail it
+        return [f"parallel3d: no summary: {e}"]
+    ckpt = cfg.checkpoint
+    found = outputs(run_dir, Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints",
+                    run_dir / ckpt.export_hf if ckpt.export_hf else None)
+    return summary(records, cfg.train.global_batch * cfg.train.seq_len, wall_s, found, run_dir)
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -71,8 +118,15 @@ def _convert(args: argparse.Namespace) -> int:
         raise UserError(f"--max-shard-gb expects a number of GiB, got '{args.max_shard_gb}'") from None
     if max_bytes <= 0:
         raise UserError(f"--max-shard-gb must be positive, got {args.max_shard_gb}")
+    try:
+        budget = int(float(args.memory_gb) * 2**30)
+    except (ValueError, OverflowError):
+        raise UserError(f"--memory-gb expects a number of GiB, got '{args.memory_gb}'") from None
+    if budget <= 0 or args.threads < 1:
+        raise UserError(f"--memory-gb ({args.memory_gb}) and --threads ({args.threads}) must be positive")
     convert(args.src, args.dst, args.to, config=args.config, dtype=args.dtype,
-            verify=not args.no_verify, max_shard_bytes=max_bytes, overwrite=args.overwrite)
+            verify="none" if args.no_verify else args.verify, max_shard_bytes=max_bytes,
+            overwrite=args.overwrite, budget_bytes=budget, threads=args.threads)
     return 0
 
 
@@ -82,7 +136,7 @@ def _prepare_data(args: argparse.Namespace) -> int:
     report = prepare_data(args.inputs, args.tokenizer, args.out, text_key=args.text_key,
                           eos_token=args.eos_token, workers=args.workers,
                           shard_tokens=args.shard_tokens, val_fraction=args.val_fraction,
-                          overwrite=args.overwrite, progress=not args.quiet)
+                          overwrite=args.overwrite, progress=not args.quiet, format=args.format)
     print(report.summary(), flush=True)
     return 0
 
@@ -99,6 +153,10 @@ def _add_prepare_data(sub) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUTS")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json")
     p.add_argument("--out", required=True, metavar="DIR", help="output dataset directory")
+    p.add_argument("--format", default="text", choices=["text", "chat"],
+                   help="text: documents (default); chat: JSON lines of conversations ('messages' or "
+                        "'prompt'/'response'), rendered with the tokenizer's chat template, only the "
+                        "assistant turns trained on")
     p.add_argument("--text-key", default="text", help="JSON key / Parquet column of the text (default: text)")
     p.add_argument("--eos-token", default=None, help="EOS token (default: from tokenizer_config.json)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all cores)")
@@ -139,24 +197,32 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--dry-run", action="store_true",
                        help="check the whole job at its world size and print layout, stages and memory; "
                             "start nothing")
+    from parallel3d.planner.cli import add_gpu_args, add_plan_parser
+
+    add_gpu_args(train, dry_run=True)
     report = sub.add_parser("report", help="plot a run's metrics.jsonl to RUN_DIR/report.png and summarise it")
     report.add_argument("run_dir", help="the run directory (run.dir of the recipe)")
-    from parallel3d.planner.cli import add_plan_parser
-
     add_plan_parser(sub)
     conv = sub.add_parser(
-        "convert", help="convert a checkpoint (Hugging Face, parallel3d, DeepSpeed) to hf or parallel3d",
-        description="Streams tensor by tensor (memory: about the largest tensor), then reads "
-                    "everything back and compares it with the source.")
-    conv.add_argument("src", help="Hugging Face folder, parallel3d checkpoint or DeepSpeed checkpoint")
+        "convert", help="convert a checkpoint (Hugging Face, parallel3d, DeepSpeed ZeRO 0-3, torch DCP, "
+                        "Megatron-Core) to hf, parallel3d or dcp",
+        description="Streams: reader threads fetch the next tensors while one is written and hashed "
+                    "(memory: about --memory-gb or the largest tensor, whichever is larger); the "
+                    "output is renamed into place once verified.")
+    conv.add_argument("src", help="Hugging Face folder, parallel3d, DeepSpeed, DCP or Megatron checkpoint")
     conv.add_argument("dst", help="output folder")
-    conv.add_argument("--to", required=True, choices=["hf", "parallel3d"])
-    conv.add_argument("--config", help="Hugging Face config.json for a DeepSpeed source "
-                                       "(default: config.json beside or above it)")
+    conv.add_argument("--to", required=True, choices=["hf", "parallel3d", "dcp"])
+    conv.add_argument("--config", help="Hugging Face config.json for a DeepSpeed, DCP or Megatron source "
+                                       "(default: config.json beside or above it; Megatron: its args)")
     conv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                       help="cast the weights (default: keep the source's dtype)")
     conv.add_argument("--max-shard-gb", default="5", help="largest output file, GiB (default 5)")
-    conv.add_argument("--no-verify", action="store_true", help="skip reading the output back")
+    conv.add_argument("--verify", default="hash", choices=["hash", "full", "none"],
+                      help="hash: sha256 while writing, headers re-read (default); full: also read "
+                           "every tensor back and compare")
+    conv.add_argument("--no-verify", action="store_true", help="same as --verify none")
+    conv.add_argument("--memory-gb", default="1", help="most GiB of tensors read ahead (default 1)")
+    conv.add_argument("--threads", type=int, default=4, help="reader threads (default 4)")
     conv.add_argument("--overwrite", action="store_true", help="replace a DST that is not empty")
     _add_prepare_data(sub)
     return parser

@@ -60,7 +60,8 @@ class ParallelConfig:
     # Tensor parallelism: norms on sequence shards, all-gather before the column-parallel
     # layers, reduce-scatter after the row-parallel ones (activation memory / tp).
     sequence_parallel: bool = False
-    # GEMM of the tensor-parallel layers: auto (Triton on CUDA, torch on CPU), triton, torch.
+    # GEMM of the tensor-parallel layers: torch, triton, or auto (torch on CPU; on CUDA Triton
+    # only for the GEMM shapes rank 0 measured at least as fast as cuBLAS).
     linear_backend: str = "auto"
     schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2)
@@ -109,6 +110,11 @@ class DataConfig:
     # do not apply.
     path: str = ""
     prefetch: int = 2  # steps of batches built ahead in a background thread; 0: in the step
+    # How documents become windows (parallel3d/data/packing.py): "concat" (cut from the
+    # stream, attention across documents), "documents" (the same windows, positions and
+    # attention per document), "whole" (whole documents packed and padded, positions and
+    # attention per document); "auto": "whole" for chat data, "concat" for plain text.
+    packing: str = "auto"
 
 
 @dataclass
@@ -166,6 +172,9 @@ class ReliabilityConfig:
     on_nonfinite: str = "skip"
     spike_factor: float = 3.0  # log a loss above this multiple of the recent mean (0: off)
     spike_window: int = 20  # how many recent steps make that mean
+    # A thread that reports and exits when this rank made no progress for comm_timeout_s:
+    # auto (on for NCCL, whose own watchdog would kill the process without a report), on, off.
+    watchdog: str = "auto"
 
 
 @dataclass

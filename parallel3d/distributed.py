@@ -123,8 +123,41 @@ def set_cpu_threads(threads_per_proc: int) -> None:
     torch.set_num_threads(threads_per_proc)
 
 
+# CPU training: buffers at least this large are mapped and unmapped by the C allocator
+# (glibc's own initial threshold, kept fixed).
+HOST_MMAP_THRESHOLD = 128 * 2**10
+
+
+def return_freed_host_memory() -> bool:
+    """On glibc, make buffers of at least :data:`HOST_MMAP_THRESHOLD` bytes go back to the
+    system when freed (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc from raising
+    the threshold). glibc otherwise raises it as large blocks are freed (up to 32 MiB) and
+    keeps the freed ones of a training step's activations, gradients and GEMM temporaries
+    in its heaps, where they fragment: measured on a 500 M-parameter model at tp 2 x pp 2,
+    a rank's resident memory grew by 390 MiB over its first 6 steps beyond what it held
+    after initialisation, and by nothing with the threshold fixed at 128 KiB (its peak 475
+    MiB lower). Returns whether it applied (not on other C libraries). CPU only: on GPU,
+    host memory holds little of the step."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, HOST_MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 # Under this many bytes x ranks, a gloo all-reduce goes by one all-to-all (see all_reduce).
 GLOO_SMALL_BYTES = 4 * 2**20
+
+
+def check_device(t: torch.Tensor, group) -> None:
+    """An NCCL group takes only CUDA tensors; say so naming the tensor's device, instead of
+    NCCL's "No backend type associated with device type cpu" from deep in a step."""
+    if t.device.type != "cuda" and dist.get_backend(group) == "nccl":
+        raise RuntimeError(f"a {t.device.type} tensor {tuple(t.shape)} was handed to a collective on an "
+                           "NCCL group, which takes only CUDA tensors: create it on the training device")
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -141,6 +174,7 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     p = dist.get_world_size(group)
     if p == 1:
         return t
+    check_device(t, group)
     small = t.numel() * t.element_size() * p <= GLOO_SMALL_BYTES
     if not (small and dist.get_backend(group) == "gloo"):
         dist.all_reduce(t, op=op, group=group)
@@ -162,6 +196,32 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
         fold(acc, received[r])
     t.copy_(acc.view(t.shape))
     return t
+
+
+def all_reduce_sum_max(sums: torch.Tensor, maxes: torch.Tensor, group) -> None:
+    """In place: ``sums`` summed and ``maxes`` max-reduced over ``group`` (both 1-D, same
+    dtype and device). On gloo, while small, one all-to-all carries both and each part is
+    folded with its own operation in rank order (one collective); otherwise, two
+    all-reduces (on NCCL each costs microseconds)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    p = dist.get_world_size(group)
+    check_device(sums, group)
+    both = torch.cat([sums, maxes])
+    small = both.numel() * both.element_size() * p <= GLOO_SMALL_BYTES
+    if not (small and dist.get_backend(group) == "gloo"):
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
+        return
+    received = torch.empty((p, both.numel()), dtype=both.dtype, device=both.device)
+    dist.all_to_all_single(received, both.reshape(1, -1).expand(p, -1).contiguous(), group=group)
+    n = sums.numel()
+    acc_sum, acc_max = received[0, :n].clone(), received[0, n:].clone()
+    for r in range(1, p):
+        acc_sum.add_(received[r, :n])
+        torch.maximum(acc_max, received[r, n:], out=acc_max)
+    sums.copy_(acc_sum)
+    maxes.copy_(acc_max)
 
 
 # torch 2.13 renamed the flat collectives; older torch only has the old names.
@@ -205,6 +265,7 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group, async_op: 
     if p == 1:
         out.copy_(flat)
         return _Done() if async_op else None
+    check_device(flat, group)
     if dist.get_backend(group) != "gloo":
         work = _reduce_scatter_single(out, flat, group=group, async_op=async_op)
         return work

@@ -42,6 +42,16 @@ def job_args(job: dict) -> list[str]:
             for section, keys in job.items() for key, value in keys.items()]
 
 
+# The bound on ||w - w_ref|| / ||w_ref|| per tensor after 10 fp32 steps at another layout.
+# The losses agree to 1e-5 (the parity bar); the weights carry AdamW's amplification of
+# ulp-level gradient differences (1/sqrt(v) on near-cancelling elements), which depends on
+# the draw of initial weights: the 2x2x2 test's worst tensor measured 2.5e-6, 6.7e-6,
+# 3.6e-6, 1.7e-5 and 1.3e-5 for five different initial draws of the same model (the same
+# code). A real layout bug is orders of magnitude away (a tied embedding's gradient left
+# unsummed moves the loss by 5e-3, the weights by more).
+WEIGHT_RTOL = 5e-5
+
+
 def relative_diff(a: list[float], b: list[float]) -> float:
     assert len(a) == len(b), (len(a), len(b))
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))

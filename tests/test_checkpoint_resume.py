@@ -75,7 +75,7 @@ def test_a_crash_after_a_checkpoint_keeps_its_steps_in_metrics(corpus_dir, tmp_p
     path = tmp_path / "metrics.jsonl"
     records = [json.loads(line) for line in path.open()]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
-    assert all("rank_step_time_s" in r for r in records)  # complete records, not partial ones
+    assert all("max_step_time_s" in r for r in records)  # complete records, not partial ones
     _losses(job)  # resumes at step 5
     assert [json.loads(line)["step"] for line in path.open()] == list(range(1, STEPS + 1))
 
@@ -98,8 +98,9 @@ def test_tp2_dp2_resume_is_bit_exact_and_reshards(pools, corpus_dir, tmp_path):
 
 
 def test_stop_on_a_non_finite_step_saves_through_the_hook(corpus_dir, tmp_path):
-    """reliability.on_nonfinite=stop: the trainer's checkpoint hook saves the state after
-    the skipped step, and a restart resumes there with the last good weights."""
+    """reliability.on_nonfinite=stop: the trainer's checkpoint hook saves the last good
+    step (the stopped step changed no weight; its batch is given back), and a restart
+    resumes there with the last good weights, to repeat the stopped step."""
     from parallel3d.reliability import TrainingStopped
 
     job = _job(corpus_dir, tmp_path / "run", interval=100)  # on, but no periodic save here
@@ -113,5 +114,6 @@ def test_stop_on_a_non_finite_step_saves_through_the_hook(corpus_dir, tmp_path):
     with pytest.raises(TrainingStopped, match="saved by the checkpoint hook"):
         trainer.train_step()
     resumed = Trainer(config_from_dict(job), Topology.single())
-    assert resumed.step == 3  # the poisoned step is done (skipped), its batch consumed
+    assert resumed.step == 2  # the last good step; the stopped step's batch comes next
+    assert resumed.sampler.consumed == 2 * job["train"]["global_batch"]
     assert all(torch.equal(a, b) for a, b in zip(good, resumed.model.parameters()))

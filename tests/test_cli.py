@@ -49,3 +49,14 @@ def test_launches_local_workers_and_logs_every_step(corpus_dir, tmp_path):
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert json.loads((run / "config.json").read_text())["parallel"]["dp"] == 2
+
+
+@pytest.mark.parametrize("command", [[], ["train"], ["plan"], ["report"], ["convert"], ["prepare-data"]])
+def test_help_is_plain_text(command, capsys):
+    from parallel3d.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args([*command, "--help"])
+    text = capsys.readouterr().out
+    assert exit_.value.code == 0 and text.startswith("usage: parallel3d")
+    assert "``" not in text and ":func:" not in text and ":class:" not in text, text  # no reST markup

@@ -42,8 +42,12 @@ def test_hf_config_round_trip_and_refusals():
         config_from_hf({**config_to_hf(cfg), "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(ValueError, match="rope scaling 'yarn' is not supported"):
         config_from_hf({**config_to_hf(cfg), "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(ValueError, match="attention_bias"):
-        config_from_hf({**config_to_hf(cfg), "attention_bias": True})
+    # attention_bias is read (tests/test_families.py); MLP biases and sliding-window layers
+    # are still refused by name
+    with pytest.raises(ValueError, match="mlp_bias"):
+        config_from_hf({**config_to_hf(cfg), "mlp_bias": True})
+    with pytest.raises(ValueError, match="layer_types"):
+        config_from_hf({**config_to_hf(cfg), "layer_types": ["full_attention", "sliding_attention"]})
 
 
 def _logits_diff(ours: Llama, hf, vocab: int) -> float:

@@ -4,6 +4,7 @@ a straggler named by its coordinates, the run report, the progress line."""
 from __future__ import annotations
 
 import io
+import json
 import socket
 import time
 
@@ -90,7 +91,9 @@ def test_breakdown_of_spans_counts_nested_collectives_once():
 @pytest.fixture(scope="module")
 def run_2x2x2(pools, corpus_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run2x2x2")
-    ranks = pools(8).run(_train, _job(corpus_dir, str(run_dir), steps=5))
+    # straggler checks at steps 2 and 4 write ranks.jsonl (the report's per-rank panel)
+    ranks = pools(8).run(_train, _job(corpus_dir, str(run_dir), steps=5, straggler_interval=2,
+                                      straggler_factor=100.0))
     return ranks, run_dir
 
 
@@ -107,8 +110,11 @@ def test_breakdown_of_a_2x2x2_run_accounts_for_the_step(run_2x2x2):
         # The spans themselves explain the step: what no span covers stays under 10%.
         assert fields["other_s"] < 0.10 * step, (rec["step"], fields)
         assert fields["bubble_s"] > 0 and fields["forward_s"] > 0 and fields["backward_s"] > 0
-        assert len(rec["rank_step_time_s"]) == len(rec["rank_peak_mem_bytes"]) == 8
-        assert rec["peak_mem_bytes"] == max(rec["rank_peak_mem_bytes"])
+        # the slowest and the fastest rank's step times bracket rank 0's, and the record
+        # names the rank with the most memory by its coordinates
+        assert rec["min_step_time_s"] <= rec["max_step_time_s"]
+        assert rec["min_peak_mem_bytes"] <= rec["peak_mem_bytes"]
+        assert set(rec["max_peak_mem_rank"]) == {"rank", "tp", "pp", "dp"}
         assert "mfu" not in rec
 
 
@@ -144,23 +150,105 @@ def test_bad_observability_keys_are_refused(corpus_dir, tmp_path):
             Trainer(config_from_dict(job), Topology.single())
 
 
-def test_report_writes_a_png_with_content_and_a_summary(run_2x2x2, capsys):
+def test_report_of_a_2x2x2_run_writes_the_png_and_a_summary(run_2x2x2, capsys):
     import matplotlib.image
 
     from parallel3d.cli import main
+    from parallel3d.observe.report import build_figure, load_job, load_metrics, load_rank_tables
 
     run_dir = run_2x2x2[1]
     assert main(["report", str(run_dir)]) == 0
     text = capsys.readouterr().out
     assert "steps 5  final loss" in text and "breakdown (median, share): data wait" in text
     assert "slowest rank" in text and "no MFU" in text
-    png = run_dir / "report.png"
-    assert png.stat().st_size > 20_000
-    img = matplotlib.image.imread(png)  # (H, W, 4) floats in [0, 1]
-    assert img.shape[:2] == (800, 1200)
-    ink = (img[..., :3].mean(axis=-1) < 0.9).mean()  # share of pixels that are not near-white
-    assert ink > 0.02, ink  # axes, curves, the stacked areas and boxes
+    img = matplotlib.image.imread(run_dir / "report.png")  # (H, W, 4) floats in [0, 1]
+    assert img.shape[:2] == (900, 1500)
+    # the figure the PNG was drawn from: the run's 8 ranks with their coordinates
+    fig = build_figure(load_metrics(run_dir), load_job(run_dir), run_dir.name, load_rank_tables(run_dir))
+    ranks = fig.axes[3]
+    labels = [t.get_text() for t in ranks.get_xticklabels()]
+    assert labels[5] == "5\ntp1 pp1\ndp0" and len(labels) == 8  # rank 5 = pp 1, dp 0, tp 1
     assert main(["report", str(run_dir / "nothing")]) == 2  # a one-line error, not a traceback
+
+
+def _synthetic_run(steps: int = 60, eval_every: int = 10) -> tuple[list[dict], dict]:
+    """Records as the trainer writes them for a 2x2x2 run (values made up, shapes real)."""
+    import math
+
+    from parallel3d.config import JobConfig
+
+    records = []
+    for s in range(1, steps + 1):
+        r = {"step": s, "loss": 7.0 * math.exp(-s / 40) + 0.3 * math.sin(s), "tokens_per_s": 5000.0 + 37 * (s % 7),
+             "step_time_s": 0.4, "mfu": 0.40 + 0.001 * (s % 5), "tflops_per_device": 100.0,
+             **{k: 0.4 / len(BREAKDOWN) for k in BREAKDOWN}}
+        if s % eval_every == 0:
+            r["val_loss"] = 7.2 * math.exp(-s / 45)
+        records.append(r)
+    job = JobConfig().to_dict()
+    job["parallel"].update(tp=2, pp=2, dp=2, schedule="1f1b")
+    job["model"].update(n_layers=4, dim=128, vocab_size=2048)
+    return records, job
+
+
+def _synthetic_rank_tables(checks: int = 6) -> list[dict]:
+    """ranks.jsonl's rows for the 8 ranks of ``_synthetic_run`` (values made up)."""
+    from parallel3d.topology import RankGrid
+
+    grid = RankGrid(tp=2, pp=2, dp=2)
+    return [{"step": 10 * (c + 1), "ranks": [{"rank": r, **grid.coords(r), "host": "h", "busy_s": 0.30 + 0.01 * r,
+                                              "step_time_s": 0.4, "peak_mem_bytes": 2**20} for r in range(8)]}
+            for c in range(checks)]
+
+
+def test_report_figure_shows_held_out_loss_smoothing_coordinates_and_a_title():
+    from parallel3d.observe.report import build_figure, smooth
+
+    records, job = _synthetic_run()
+    fig = build_figure(records, job, "debug_cpu", _synthetic_rank_tables())
+    loss, rate, breakdown, ranks = fig.axes[:4]
+    title = fig.get_suptitle()
+    assert title.startswith("debug_cpu: 60 steps") and "tp 2 x pp 2 x dp 2 (8 ranks" in title
+    assert "Llama preset debug (4 layers, 128 dim, 2048 vocab)" in title
+    assert f"held-out {records[-1]['val_loss']:.4f}" in title
+    assert [a.get_title() for a in (loss, rate, breakdown)] == ["loss", "throughput",
+                                                               "step-time breakdown (mean over ranks)"]
+    assert all(a.get_xlabel() == "step" for a in (loss, rate, breakdown))  # one x-axis: steps
+    # loss: raw, its mean over 3 steps (60 / 20), and the held-out loss at each evaluation
+    lines = {line.get_label(): line for line in loss.get_lines()}
+    assert sorted(lines) == ["held-out loss", "training loss, mean of 3 steps", "training loss, per step"]
+    raw = [r["loss"] for r in records]
+    assert list(lines["training loss, per step"].get_ydata()) == raw
+    assert lines["training loss, mean of 3 steps"].get_ydata()[5] == pytest.approx(sum(raw[3:6]) / 3)
+    assert smooth([1.0, 2.0, 3.0, 4.0], 2) == [1.0, 1.5, 2.5, 3.5]
+    held = lines["held-out loss"]
+    assert list(held.get_xdata()) == [10, 20, 30, 40, 50, 60]
+    assert list(held.get_ydata()) == [r["val_loss"] for r in records if "val_loss" in r]
+    # throughput with MFU on a second axis, and every legend beside its panel, not over it
+    assert len(rate.get_lines()) == 2 and fig.axes[4].get_ylabel() == "MFU (%)"
+    assert [t.get_text() for t in rate.get_legend().get_texts()][-1] == "MFU (%)"
+    fig.canvas.draw()
+    for ax in (loss, rate, breakdown):
+        legend, box = ax.get_legend().get_window_extent(), ax.get_window_extent()
+        assert legend.x0 >= box.x1, ax.get_title()  # entirely to the right of the plot area
+    assert len(breakdown.collections) == len(BREAKDOWN)  # one stacked area per field
+    # busy time: one box per rank, each labelled with its coordinates (tp innermost)
+    labels = [t.get_text() for t in ranks.get_xticklabels()]
+    assert labels == [f"{r}\ntp{r % 2} pp{r // 4}\ndp{(r // 2) % 2}" for r in range(8)]
+    assert ranks.get_xlabel() == "rank"
+
+
+def test_report_of_a_short_run_without_evaluations_or_per_rank_rows():
+    from parallel3d.observe.report import build_figure, summary
+
+    records, _ = _synthetic_run(steps=5, eval_every=100)
+    for r in records:
+        del r["mfu"]
+    fig = build_figure(records, None, "short")
+    loss = fig.axes[0]
+    assert [line.get_label() for line in loss.get_lines()] == ["training loss"]  # 5 steps: no smoothing
+    assert "no per-rank rows" in fig.axes[3].texts[0].get_text()
+    assert "held-out" not in fig.get_suptitle() and "held-out" not in summary(records)
 
 
 def test_progress_bar_redraws_one_line_with_eta():
@@ -183,3 +271,70 @@ def test_progress_bar_redraws_one_line_with_eta():
     last = text.split("\r")[-1]
     assert "step 5/10 [##########..........]" in last and "12,345 tok/s" in last
     assert "MFU 41.2%" in last and "mem 3.00 GiB" in last and "ETA " in last
+
+
+# -- nothing per step grows with the world ------------------------------------------------------
+
+def _payload_and_records(job: dict) -> dict:
+    """Train; the numels this rank handed to the step's closing collective, and (rank 0)
+    the records' structure with every number replaced by its type."""
+    import parallel3d.train.trainer as trainer_module
+
+    sizes = []
+    inner = trainer_module.all_reduce_sum_max
+
+    def counting(sums, maxes, group):
+        sizes.append((sums.numel(), maxes.numel()))
+        return inner(sums, maxes, group)
+
+    trainer_module.all_reduce_sum_max = counting
+    try:
+        cfg = config_from_dict(job)
+        history = Trainer(cfg, Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp)).fit()
+    finally:
+        trainer_module.all_reduce_sum_max = inner
+
+    def shape(x):
+        if isinstance(x, dict):
+            return {k: shape(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [shape(v) for v in x]
+        return type(x).__name__
+
+    return {"sizes": sizes, "records": [shape(r) for r in history]}
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 2), (2, 2, 1), (2, 2, 2)])
+def test_the_step_payload_and_a_record_do_not_grow_with_the_world(pools, corpus_dir, tmp_path, layout):
+    """At 2, 4 and 8 ranks: the step's one collective carries the same number of slots,
+    and every metrics.jsonl record has the same fields with the same list lengths (the
+    per-rank rows go to ranks.jsonl at straggler checks only)."""
+    tp, pp, dp = layout
+    job = tiny_job(corpus_dir, str(tmp_path), train={"steps": 3, "global_batch": 8, "micro_batch": 2},
+                   parallel={"tp": tp, "pp": pp, "dp": dp},
+                   observability={"progress": "off", "straggler_interval": 2, "straggler_factor": 1000.0})
+    got = pools(tp * pp * dp).run(_payload_and_records, job)
+    for rank in got:
+        # the first step carries no previous figures, but the same slots (zeros)
+        assert set(rank["sizes"]) == {EXPECTED_PAYLOAD}, rank["sizes"]
+    records = got[0]["records"]
+    assert records[0] == EXPECTED_RECORD_1, records[0]
+    assert records[1] == EXPECTED_RECORD_2, records[1]  # a straggler check: the stragglers list
+    table = [json.loads(line) for line in (tmp_path / "ranks.jsonl").read_text().splitlines()]
+    assert [t["step"] for t in table] == [2] and len(table[0]["ranks"]) == tp * pp * dp
+
+
+# (sums, maxes): norm + loss + 7 breakdown fields + bubble; max and -min of step time,
+# busy time and peak memory
+EXPECTED_PAYLOAD = (2 + len(BREAKDOWN) + 1, 6)
+_FIGURES = {k: "float" for k in BREAKDOWN} | {
+    "bubble_fraction": "float", "max_step_time_s": "float", "min_step_time_s": "float",
+    "max_busy_s": "float", "min_busy_s": "float", "peak_mem_bytes": "int", "min_peak_mem_bytes": "int",
+    "max_step_time_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
+    "max_busy_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
+    "max_peak_mem_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
+    "mem_source": "str"}
+EXPECTED_RECORD_1 = {"step": "int", "loss": "float", "lr": "float", "grad_norm": "float",
+                     "tokens_per_s": "float", "step_time_s": "float", "tflops_per_device": "float",
+                     "skipped": "bool", "skipped_steps": "int", "loss_spike": "bool", **_FIGURES}
+EXPECTED_RECORD_2 = {**EXPECTED_RECORD_1, "stragglers": []}

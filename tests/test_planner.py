@@ -62,8 +62,9 @@ def test_flops_match_torch_counter_and_megatron_formula():
 def test_model_states_by_hand_under_each_zero_stage(zero):
     # bf16 mixed precision, dp 4, one stage: 2 B weights, 4 B fp32 master, 4 B fp32 grads,
     # 8 B Adam; ZeRO 1 shards master + Adam by 4 and keeps the reduced fp32 gradient shard
-    # beside the full buffer; ZeRO 2 keeps only that shard (its two buckets live only
-    # inside a backward, counted there against the activations they outlive)
+    # beside the full buffer; ZeRO 2 keeps only that shard (the packed buckets of its
+    # reductions in flight live only inside a backward, counted there against the
+    # activations they outlive)
     layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 160 + 2 * 64
     n = 2 * layer + 512 * 64 + 64 + 512 * 64  # layers, embedding, final norm, untied head
     work = Workload(SMALL, 32, 16, "bf16")
@@ -76,17 +77,21 @@ def test_model_states_by_hand_under_each_zero_stage(zero):
 
 
 def test_activations_by_hand_and_schedules_in_flight():
-    # fp32, one micro-batch of 2 x 32 tokens: per layer 8 d-wide + 2 kv-wide + 4 ffn-wide
-    # tensors plus the log-sum-exp (heads) and two rsqrt per token; head: 2 d (fp32) + d +
-    # the log-softmax output (the logits are freed once the loss is computed), and two
-    # V-wide gradients at the start of the backward
+    # fp32, one micro-batch of 2 x 32 tokens: per layer 6 d-wide (the two norms' inputs,
+    # the two projections' inputs, rotated q, the attention output) + 2 kv-wide (rotated k,
+    # v) + 3 ffn-wide (gate, up, their SwiGLU product) tensors plus the log-sum-exp (heads)
+    # and two rsqrt per token; head: the final norm's input and the head's input + the
+    # log-softmax output (the logits are freed once the loss is computed), and two V-wide
+    # gradients at the start of the backward. The fp32 gradient buffer exists from the
+    # start: no gradient grows during the backward.
     work = Workload(SMALL, 32, 2, "fp32")
     mem = stage_memory(work, Layout(micro_batch=2), 0)
     tokens = 64
-    layer = tokens * 4 * (8 * 64 + 2 * 32 + 4 * 160 + 4 + 2)
-    head = tokens * 4 * (3 * 64 + 512 + 1)
+    layer = tokens * 4 * (6 * 64 + 2 * 32 + 3 * 160 + 4 + 2)
+    head = tokens * 4 * (2 * 64 + 512 + 1)
     assert mem.activations == 2 * layer + head
-    assert mem.backward_transient == max(tokens * 8 * 512, mem.full_grads - mem.activations)
+    assert mem.backward_transient == tokens * 8 * 512
+    assert mem.grads == mem.full_grads
     lay = Layout(pp=4, micro_batch=1)
     assert [in_flight(lay, 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert in_flight(replace(lay, schedule="gpipe"), 8, 0) == 8
@@ -131,9 +136,10 @@ def test_ring_collectives_and_bubble():
     assert ring_time("all_reduce", 8e9, 1, 1e9, 1e-5) == 0.0
     work = Workload(PRESETS["8b"], 4096, 64)
     gpu = gpu_named("h100-80g")
-    t = step_time(work, Layout(tp=1, pp=4, dp=1, micro_batch=8), gpu, 8)  # m = 8 micro-batches
+    t = step_time(work, Layout(tp=1, pp=4, dp=1, micro_batch=8), gpu, 8, default_efficiency())  # m = 8
     assert t.bubble_s == pytest.approx(3 / 8 * (t.compute_s + t.tp_comm_s))  # (pp-1)/m slots
-    tv = step_time(work, Layout(pp=4, micro_batch=8, schedule="interleaved", virtual_stages=2), gpu, 8)
+    tv = step_time(work, Layout(pp=4, micro_batch=8, schedule="interleaved", virtual_stages=2), gpu, 8,
+                   default_efficiency())
     assert tv.bubble_s == pytest.approx(t.bubble_s / 2)
     assert tv.pp_comm_s == pytest.approx(2 * t.pp_comm_s * (8 + 1.5) / (8 + 3))
 
@@ -180,7 +186,7 @@ def test_published_runs_are_feasible_and_mfu_within_10_points(run):
 def test_default_efficiency_inverts_the_anchor():
     gpu = gpu_named(ANCHOR.gpu)
     layout = Layout(tp=ANCHOR.tp, pp=ANCHOR.pp, dp=ANCHOR.dp, micro_batch=1, recompute="full")
-    t = step_time(ANCHOR.work, layout, gpu, 8)
+    t = step_time(ANCHOR.work, layout, gpu, 8, default_efficiency())
     assert t.mfu == pytest.approx(ANCHOR.mfu, rel=1e-9)
     assert 0.3 < default_efficiency().compute < 0.9
 
@@ -218,3 +224,71 @@ def test_calibration_recovers_the_efficiency_of_a_synthetic_run(tmp_path):
                  "--calibrate", str(tmp_path / "metrics.jsonl")]) == 0
     with pytest.raises(UserError, match="calibration needs"):
         calibrate_from_run(tmp_path / "missing", gpu, 8)
+
+
+# -- the GPU table, --gpu-spec and the defaults of `parallel3d plan` --------------------------
+
+def test_every_gpu_of_the_table_names_its_source_and_dense_peaks_order_by_generation():
+    import re
+
+    import parallel3d.planner.hardware as hw
+
+    for key, gpu in hw.GPUS.items():
+        # a source paragraph each: "  key[, key] (product name): figures (source)"
+        assert gpu.name == key and re.search(rf"^  [^(\n]*\b{re.escape(key)}\b[^(\n]* \(", hw.__doc__, re.M), key
+        assert gpu.peak_flops > 0 and gpu.memory_bytes > 30 * GiB and gpu.nvlink_bytes_per_s > 0
+    peak = {k: g.peak_flops for k, g in hw.GPUS.items()}
+    # dense, not the datasheets' sparse figures: H100 SXM 989 (sparse 1,979), B200 2,250
+    assert peak["a100-80g"] < peak["h100-pcie"] < peak["h100-nvl"] < peak["h100-80g"] == peak["h200"]
+    assert peak["h200"] < peak["mi300x"] < peak["b200"] < peak["gb200"] < 2 * peak["h200"] * 1.3
+    assert gpu_named("h100-sxm") == gpu_named("h100-80g")  # an alias, not a second entry
+    assert hw.GPUS["gb200"].gpus_per_node == 72 and hw.GPUS["b200"].gpus_per_node == 8
+
+
+def test_plan_needs_only_model_gpus_and_gpu(capsys):
+    assert main(["plan", "--model", "8b", "--gpus", "64", "--gpu", "b200", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    # the defaults, worked out here: b200 nodes of 8; the 8b preset's context 8192; 4 Mi
+    # tokens a step = 512 sequences of 8192, already a multiple of 64
+    assert "8 GPUs a node" in out and "sequences of 8192 tokens" in out
+    assert "a global batch of 512 sequences (4.0M tokens" in out
+    assert "64 x b200 (8 per node), peak 2,250 TFLOP/s bf16" in out and "recommended: " in out
+    # the same plan as with every default spelled out
+    assert main(["plan", "--model", "8b", "--gpus", "64", "--gpu", "b200", "--top", "3", "--gpus-per-node", "8",
+                 "--seq-len", "8192", "--global-batch", "512"]) == 0
+    explicit = capsys.readouterr().out
+    assert "assumed" not in explicit
+    assert explicit.split("\n", 1)[0] == out.split("\n", 2)[1]  # the assumptions line
+    assert explicit.split("recommended:")[1] == out.split("recommended:")[1]
+    # an odd GPU count: the batch rounds up to a multiple of it (ceil(512 / 24) * 24)
+    assert main(["plan", "--model", "1b", "--gpus", "24", "--gpu", "h100-80g", "--top", "1"]) == 0
+    assert "a global batch of 528 sequences" in capsys.readouterr().out
+
+
+def test_a_gpu_described_by_gpu_spec_plans_like_the_table_entry(capsys):
+    h100 = gpu_named("h100-80g")
+    spec = (f"name=h100-80g,tflops=989,memory_gib={h100.memory_bytes / GiB!r},intra_gbyte_s=450,"
+            f"inter_gbit_s=400,hbm_tbyte_s=3.35")
+    args = ["plan", "--model", "70b", "--gpus", "64", "--top", "5"]
+    assert main([*args, "--gpu", "h100-80g"]) == 0
+    named = capsys.readouterr().out
+    assert main([*args, "--gpu-spec", spec]) == 0
+    assert capsys.readouterr().out == named
+    # keys over a known GPU: only memory changes, and a smaller GPU fits fewer layouts
+    assert main([*args, "--gpu", "h100-80g", "--gpu-spec", "memory_gib=40"]) in (0, 1)
+    smaller = capsys.readouterr().out
+    fit = lambda text: int(text.split(" fit:")[0].rsplit(", ", 1)[1])  # noqa: E731
+    assert "h100-80g-custom" in smaller and "40.0 GiB" in smaller and fit(smaller) < fit(named)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("tflops=500", "--gpu-spec needs memory_gib, intra_gbyte_s, inter_gbit_s"),
+    ("tflops=500,memory=80", "--gpu-spec key 'memory' is not known"),
+    ("tflops=fast", "--gpu-spec tflops=fast: expected a number"),
+    ("tflops=-1", "--gpu-spec tflops must be positive"),
+    ("tflops", "is not KEY=VALUE"),
+])
+def test_bad_gpu_spec_is_one_line(spec, message, capsys):
+    assert main(["plan", "--model", "8b", "--gpus", "8", "--gpu-spec", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

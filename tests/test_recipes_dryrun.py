@@ -89,3 +89,98 @@ def test_multi_node_recipe_outside_torchrun_says_how_to_start_it():
     proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "launch.nnodes 8 > 1: start the job with torchrun" in proc.stderr
+
+
+# -- per-stage parameters from the rank's own modules ------------------------------------------
+
+def _job(tp, pp, virtual_stages=1, **model):
+    from parallel3d.config import config_from_dict
+
+    schedule = "interleaved" if virtual_stages > 1 else "1f1b"
+    return config_from_dict({
+        "model": {"preset": "debug", **model},
+        "parallel": {"tp": tp, "pp": pp, "dp": 2, "schedule": schedule, "virtual_stages": virtual_stages},
+        "train": {"global_batch": 8 * pp, "micro_batch": 1}, "launch": {"nproc": 2 * tp * pp}})
+
+
+@pytest.mark.parametrize("tp,pp,v,model", [
+    # kv-heads replicated (tp 4 > 2 kv-heads), vocabulary 1001 padded to 1004, tied
+    # embedding held by the first and the last stage, interleaved chunks
+    (4, 2, 2, {"vocab_size": 1001, "n_layers": 8, "n_heads": 8, "n_kv_heads": 2, "dim": 128,
+               "ffn_dim": 256, "tie_embeddings": True}),
+    # tied under pp 1: embedding and head are one parameter on every tp rank
+    (2, 1, 1, {"vocab_size": 1001, "tie_embeddings": True}),
+    (1, 3, 1, {"n_layers": 6}),  # untied, no tensor parallelism: the plain split
+])
+def test_stage_parameters_from_the_modules_add_up_to_the_model_over_a_slice(tp, pp, v, model):
+    from parallel3d.models.llama import Llama
+    from parallel3d.train.dryrun import count_params, rank_modules
+    from parallel3d.train.setup import resolve_model_config
+
+    cfg = _job(tp, pp, v, **model)
+    mc = resolve_model_config(cfg.model)
+    counts = [count_params(rank_modules(cfg, mc, 2 * tp * pp, pp_rank, tp_rank), mc.vocab_size)
+              for pp_rank in range(pp) for tp_rank in range(tp)]
+    import torch
+    with torch.device("meta"):
+        unsplit = sum(p.numel() for p in Llama(mc).parameters())  # a tied matrix once
+    assert unsplit == mc.num_params()
+    # Leaving out vocabulary padding and the copies another rank counts, one tp x pp slice
+    # holds exactly the model.
+    assert sum(c.owned for c in counts) == unsplit
+    # What the ranks hold, by hand: the model, plus the norms on every tp rank but one,
+    # plus kv-heads replicated past their number, plus padded rows of each vocabulary
+    # matrix held apart (embedding; untied head or, pp > 1, the tied copy), plus that copy.
+    d, hd, L, V = mc.dim, mc.head_dim, mc.n_layers, mc.vocab_size
+    padded = -(-V // tp) * tp
+    norms = (tp - 1) * (2 * d * L + d)
+    kv_copies = 2 * L * max(0, tp - mc.n_kv_heads) * hd * d
+    vocab_matrices = 1 if (mc.tie_embeddings and pp == 1) else 2
+    tied_copy = V * d if (mc.tie_embeddings and pp > 1) else 0
+    assert sum(c.held for c in counts) == (unsplit + norms + kv_copies + vocab_matrices * (padded - V) * d
+                                           + tied_copy)
+    assert sum(c.padding for c in counts) == vocab_matrices * (padded - V) * d
+    # every tp rank of a stage holds as many parameters (the dry run shows tp rank 0)
+    for s in range(pp):
+        assert len({c.held for c in counts[s * tp:(s + 1) * tp]}) == 1
+
+
+def test_dry_run_bytes_follow_the_storage_table_and_the_gpu_fit_is_per_stage():
+    from parallel3d.planner.hardware import gpu_named
+    from parallel3d.train.dryrun import StateBytes, state_bytes
+
+    # by hand, 1000 parameters over dp 4
+    assert state_bytes(1000, "bf16", 0, 4) == StateBytes(2000, 4000, 12000)
+    assert state_bytes(1000, "bf16", 1, 4) == StateBytes(2000, 4000, 3000)
+    assert state_bytes(1000, "bf16", 2, 4) == StateBytes(2000, 1000, 3000)
+    assert state_bytes(1000, "fp32", 1, 4) == StateBytes(4000, 4000, 2000)
+    assert state_bytes(1001, "fp32", 2, 4) == StateBytes(4004, 4 * 251, 8 * 251)  # padded to dp
+
+    recipe = RECIPES[[p.stem for p in RECIPES].index("llama3_70b")]
+    cfg = load_config(recipe)
+    lines = []
+    found = dry_run(cfg, job_world_size(cfg), out=lines.append, gpu=gpu_named("h100-80g"))
+    reports = found["reports"]
+    assert [r.stage for r in reports] == [0, 1]  # pp 2: first and last
+    for r in reports:
+        assert r.states == state_bytes(r.params.held, "bf16", 1, 32)
+        row = next(line for line in lines if line.strip().startswith(f"{r.stage} ("))
+        assert f"{r.params.held:,d}" in row and "fits, " in row
+        acts, buffers = r.transient
+        assert r.peak == r.states.total + acts + buffers
+    # the modules' counts against the formula the planner uses: the same parameters
+    for r, planned in zip(reports, found["stages"]):
+        assert r.params.held == planned.params, (r.params, planned.params)
+    small = gpu_named("a100-40g")
+    lines = []
+    dry_run(cfg, job_world_size(cfg), out=lines.append, gpu=small)
+    assert sum("DOES NOT FIT" in line for line in lines) == 2
+
+
+def test_the_default_recipe_says_the_split_it_runs():
+    recipe = RECIPES[[p.stem for p in RECIPES].index("debug_cpu")]
+    said = next(line for line in recipe.read_text().splitlines() if line.startswith("pp = "))
+    lines = []
+    dry_run(load_config(recipe), 8, out=lines.append)
+    stages = [line.split("): ", 1)[1] for line in lines if line.startswith("  stage ") and "(ranks" in line]
+    assert said.split("# ", 1)[1].startswith(" | ".join(stages)), (said, stages)

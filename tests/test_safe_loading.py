@@ -199,6 +199,66 @@ def _hf_safetensors_pickled(o, tmp, marker, outside):
     return ["convert", str(hf), str(tmp / "out"), "--to", "parallel3d"]
 
 
+def _dcp_of(o, tmp: Path) -> Path:
+    """A torch DCP folder of the originals' weights (parallel3d's DCP writer), config.json inside."""
+    from parallel3d.checkpoint.convert import convert
+
+    convert(o["hf"], tmp / "dcp", "dcp", progress=False)
+    return tmp / "dcp"
+
+
+def _dcp_metadata_pickled(o, tmp, marker, outside):
+    dcp = _dcp_of(o, tmp)
+    (dcp / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    return ["convert", str(dcp), str(tmp / "out"), "--to", "hf"]
+
+
+def _dcp_chunk_payload(o, tmp, marker, outside):
+    """A chunk whose torch.save archive holds the payload, the metadata pointing at it
+    (rewritten with torch's own classes, as a writer would)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    dcp = _dcp_of(o, tmp)
+    meta = FileSystemReader(str(dcp)).read_metadata()  # trusted: our own file, test side
+    index = next(i for i in meta.storage_data if i.fqn == "model.embed_tokens.weight")
+    info = meta.storage_data[index]
+    archive = _torch_bytes({"w": Payload(marker)})
+    path = dcp / info.relative_path
+    start = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(archive)
+    meta.storage_data[index] = _StorageInfo(info.relative_path, start, len(archive))
+    (dcp / ".metadata").write_bytes(pickle.dumps(meta))
+    return ["convert", str(dcp), str(tmp / "out"), "--to", "parallel3d"]
+
+
+def _zero3_model_states(o, tmp, marker, outside):
+    ds = tmp / "ds" / "global_step2"
+    ds.mkdir(parents=True)
+    (ds.parent / "latest").write_text("global_step2")
+    (ds / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(
+        _torch_bytes({"module": {}, "param_shapes": [], "extra": Payload(marker)}))
+    shutil.copy(o["hf"] / "config.json", ds.parent / "config.json")
+    return ["convert", str(ds.parent), str(tmp / "out"), "--to", "hf"]
+
+
+def _megatron_legacy(o, tmp, marker, outside):
+    root = tmp / "megatron"
+    (root / "iter_0000002" / "mp_rank_00").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    (root / "iter_0000002" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(
+        _torch_bytes({"model": {}, "args": Payload(marker)}))
+    return ["convert", str(root), str(tmp / "out"), "--to", "hf", "--config", str(o["hf"] / "config.json")]
+
+
+def _megatron_common(o, tmp, marker, outside):
+    folder = _dcp_of(o, tmp)
+    (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (folder / "common.pt").write_bytes(_torch_bytes({"args": Payload(marker), "iteration": 2}))
+    return ["convert", str(folder), str(tmp / "out"), "--to", "hf"]
+
+
 def _index_file_name(name_of):
     """Every piece and file record of rank 0's safetensors renamed to ``name_of(outside)``."""
     def build(o, tmp, marker, outside):
@@ -266,6 +326,12 @@ PICKLES = [
     ("hf-bin-finetune", _hf_bin_finetune, "holds pickled *.bin weights"),
     ("hf-auto-map-remote-code", _hf_remote_code, "parallel3d never runs code from a model folder"),
     ("hf-safetensors-is-a-pickle", _hf_safetensors_pickled, "model.safetensors is not a valid safetensors file"),
+    ("dcp-metadata-pickle", _dcp_metadata_pickled, ".metadata cannot be read safely: refusing to load the global"),
+    ("dcp-chunk-payload", _dcp_chunk_payload, "__0_0.distcp cannot be read safely: refusing to load the global"),
+    ("deepspeed-zero3-model-states", _zero3_model_states,
+     "zero_pp_rank_0_mp_rank_00_model_states.pt cannot be read safely"),
+    ("megatron-legacy-payload", _megatron_legacy, "model_optim_rng.pt cannot be read safely"),
+    ("megatron-common-payload", _megatron_common, "common.pt cannot be read safely"),
 ]
 PATHS = [
     ("index-dotdot", _index_file_name(lambda out: "../../outside/weights.safetensors"),

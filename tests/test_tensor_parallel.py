@@ -29,7 +29,7 @@ from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                         sync_tensor_parallel_grads,
                                         vocab_parallel_cross_entropy)
 from parallel3d.topology import Topology
-from parallel3d.train.optim import global_grad_norm
+from parallel3d.grad_norm import global_grad_norm
 
 RTOL = 1e-5  # see the module docstring
 
@@ -50,9 +50,16 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def tokens_of(t: torch.Tensor, p: int, r: int) -> torch.Tensor:
+    """Rank r's run of the B*S tokens of (B, S, ...), viewed (B, S/p, ...): the sequence-
+    parallel shard (parallel3d/tensor_parallel/comm.py), worked out here from the layout."""
+    n = t.numel() // p
+    return t.contiguous().view(-1)[r * n:(r + 1) * n].view(t.shape[0], t.shape[1] // p, *t.shape[2:])
+
+
 def _seq(t: torch.Tensor, topo, sp: bool) -> torch.Tensor:
-    """This rank's sequence shard (dim 1) under sequence parallelism, else ``t``."""
-    return t.chunk(topo.tp, dim=1)[topo.tp_rank] if sp else t
+    """This rank's sequence-parallel shard under sequence parallelism, else ``t``."""
+    return tokens_of(t, topo.tp, topo.tp_rank) if sp else t
 
 
 def _rows(t: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
@@ -123,19 +130,19 @@ def _comm_case(topo) -> dict[str, float]:
     torch.manual_seed(8)
     x, w = torch.randn(2, 8, 12), torch.randn(2, 8, 12)
     p, r, errs = topo.tp, topo.tp_rank, {}
-    for name, fn, dim in (("scatter_to_tp_region", scatter_to_tp_region, -1),
-                          ("scatter_to_sequence", scatter_to_sequence, 1)):
+    for name, fn, mine in (("scatter_to_tp_region", scatter_to_tp_region, lambda t: t.chunk(p, -1)[r]),
+                           ("scatter_to_sequence", scatter_to_sequence, lambda t: tokens_of(t, p, r))):
         xi = x.clone().requires_grad_()
         y = fn(xi, topo.tp_group)
-        (y * w.chunk(p, dim)[r]).sum().backward()
-        errs[f"{name} y"] = rel(y, x.chunk(p, dim)[r])
+        (y * mine(w)).sum().backward()
+        errs[f"{name} y"] = rel(y, mine(x))
         errs[f"{name} dx"] = rel(xi.grad, w)
     # gather without partial gradients: every rank's dY is the whole gradient; keep mine.
-    xi = x.chunk(p, 1)[r].clone().requires_grad_()
+    xi = tokens_of(x, p, r).clone().requires_grad_()
     y = gather_from_sequence(xi, topo.tp_group, grad_is_partial=False)
     (y * w).sum().backward()
     errs["gather_from_sequence y"] = rel(y, x)
-    errs["gather_from_sequence dx"] = rel(xi.grad, w.chunk(p, 1)[r])
+    errs["gather_from_sequence dx"] = rel(xi.grad, tokens_of(w, p, r))
     return errs
 
 

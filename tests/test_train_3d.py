@@ -15,7 +15,7 @@ from parallel3d.config import config_from_dict
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import relative_diff, tiny_job
+from helpers import WEIGHT_RTOL, relative_diff, tiny_job
 
 STEPS = 10
 
@@ -104,8 +104,9 @@ def test_2x2x2_equals_1x1x1(pools, corpus_dir, tmp_path, reference, parallel):
             want = _full_slice(info, reference["weights"][name])
             # Per tensor, not per element: AdamW's 1/sqrt(v) turns an ulp in a near-zero
             # gradient (a rare token's embedding row) into a visible step (see
-            # test_train_pp.py), so the bound is on ||w - w_ref|| / ||w_ref||.
+            # test_train_pp.py), so the bound is on ||w - w_ref|| / ||w_ref||; see
+            # helpers.WEIGHT_RTOL for why 5e-5.
             rel = ((p - want).norm() / want.norm()).item()
-            assert rel < 1e-5, (name, rel)
+            assert rel < WEIGHT_RTOL, (name, rel)
             seen.add(name)
     assert seen == set(reference["weights"])

@@ -16,7 +16,7 @@ from parallel3d.pipeline.synthetic import FixedCostChunk, mean_loss
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import relative_diff, tiny_job
+from helpers import WEIGHT_RTOL, relative_diff, tiny_job
 
 STEPS = 10
 
@@ -89,7 +89,7 @@ def _assert_same_training(ranks: list[dict], ref: dict, tie: bool = False) -> No
             # token's embedding: 7e-8 from terms 1e3 larger) turns an ulp of difference in
             # its gradient into 1e-4 of its update; one element in 32768 did.
             rel = ((w - want).norm() / want.norm()).item()
-            assert rel < 1e-5, (name, rel)
+            assert rel < WEIGHT_RTOL, (name, rel)
             seen.add(name)
     assert seen == set(ref_w) | ({"lm_head.weight"} if tie else set())
 
@@ -120,6 +120,37 @@ def test_pp2_tied_embeddings_equal_pp1(pools, corpus_dir, tmp_path, reference):
     _assert_same_training(ranks, reference(4, tie=True), tie=True)
 
 
+def _train_bf16_tied(job: dict) -> dict:
+    out = _train(job)
+    return {"losses": [h["loss"] for h in out["history"]], "pp_rank": out["pp_rank"],
+            "tied": {n: w for n, w in out["weights"].items() if n in ("embed_tokens.weight", "lm_head.weight")}}
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_pp2_tied_embeddings_in_bf16_with_zero_stay_identical(pools, corpus_dir, tmp_path, zero):
+    """The GPU default (bf16 parameters, fp32 master weights and gradients in the ZeRO
+    optimizer) with a tied embedding split over the first and last stage: both copies get
+    the sum of both gradients, so after 20 steps they are bit-identical, and the losses
+    follow one process's."""
+    steps = 20
+    jobs = {pp: _job(corpus_dir, str(tmp_path / f"pp{pp}"), 4, tie=True, schedule="1f1b", pp=pp, zero=zero)
+            for pp in (1, 2)}
+    for job in jobs.values():
+        job["train"].update(steps=steps, dtype="bf16")
+        job["eval"]["interval"] = 0
+    ref = pools(1).run(_train_bf16_tied, jobs[1])[0]
+    first, last = sorted(pools(2).run(_train_bf16_tied, jobs[2]), key=lambda r: r["pp_rank"])
+    assert torch.equal(first["tied"]["embed_tokens.weight"], last["tied"]["lm_head.weight"])
+    # bf16 tolerance: the forward is the same sequence of bf16 ops at pp 1 and 2, but the
+    # tied gradient is summed differently: at pp 1 autograd adds the embedding's and the
+    # head's bf16 gradients in bf16 (a rounding of 2^-9 relative) before the fp32 buffer;
+    # at pp 2 each goes to fp32 alone and the two are summed there. Measured after 20
+    # steps: 8.7e-5 relative on the loss curve; with the tied sum left out (the bug this
+    # guards) 5.6e-3, and the copies differ. 1e-3 sits between the two.
+    assert relative_diff(first["losses"], ref["losses"]) < 1e-3
+    assert first["losses"] == last["losses"]
+
+
 @pytest.mark.parametrize("schedule,n_layers,v", [("gpipe", 4, 1), ("1f1b", 4, 1), ("interleaved", 8, 2)])
 def test_pp4_equals_pp1(pools, corpus_dir, tmp_path, reference, schedule, n_layers, v):
     job = _job(corpus_dir, str(tmp_path), n_layers, schedule=schedule, pp=4, virtual_stages=v)
@@ -146,7 +177,8 @@ def _check_trace(path, world: int, pp: int, m: int, steps: int) -> None:
     events = trace["traceEvents"]
     meta = [e for e in events if e["ph"] == "M"]
     spans = [e for e in events if e["ph"] == "X"]
-    assert len(meta) + len(spans) == len(events)
+    marks = [e for e in events if e["ph"] == "i"]  # gradient buckets' reductions issued
+    assert len(meta) + len(spans) + len(marks) == len(events)
     for e in meta:
         assert e["name"] in ("process_name", "process_sort_index", "thread_name")
         assert isinstance(e["pid"], int) and isinstance(e["args"], dict)
@@ -160,6 +192,15 @@ def _check_trace(path, world: int, pp: int, m: int, steps: int) -> None:
     want = sorted((r, s, f"{op}{r}.{i}") for r in range(pp) for s in range(1, steps + 1)
                   for op in "FB" for i in range(m))
     assert work == want
+    # The optimizer reduces a bucket as soon as the step's last backward pass filled it:
+    # on every rank, the first bucket's reduction is issued before its last backward ends.
+    for pid in range(world):
+        for step in range(1, steps + 1):
+            issued = [e["ts"] for e in marks if (e["pid"], e["args"]["step"]) == (pid, step)
+                      and e["name"].startswith("reduce bucket")]
+            last_b = max(e["ts"] + e["dur"] for e in spans if (e["pid"], e["args"]["step"]) == (pid, step)
+                         and e["cat"] == "backward")
+            assert issued and min(issued) < last_b, (pid, step)
     # Spans of one lane never overlap (a lane is one sequence of things on one rank).
     for pid in range(world):
         for tid in (0, 1):
@@ -173,32 +214,44 @@ def _check_bubble_in_metrics(path) -> None:
     assert all(0.0 < r["bubble_fraction"] < 1.0 for r in records)
 
 
-def _bubbles(name: str, v: int, m: int, t_fwd: float, steps: int) -> list[float]:
+def _bubbles_side_by_side(m: int, t_fwd: float, steps: int) -> dict[str, list[float]]:
+    """1F1B and interleaved (2 chunks a stage) on the same two ranks, their steps
+    alternating (the order swapped every step), so that a change in the machine's load
+    falls on both alike. Returns each schedule's bubble fraction per step."""
     topo = Topology(1, 2, 1)
-    chunks = [FixedCostChunk(t_fwd / v, 2 * t_fwd / v, 4, first=(topo.pp_rank == 0 and j == 0)) for j in range(v)]
-    schedule = PipelineSchedule(chunks, mean_loss, topo, name=name, virtual_stages=v,
-                                activation_shape=(1, 2, 4), activation_dtype=torch.float32,
-                                device=torch.device("cpu"))
+    schedules = {}
+    for name, v in (("1f1b", 1), ("interleaved", 2)):
+        chunks = [FixedCostChunk(t_fwd / v, 2 * t_fwd / v, 4, first=(topo.pp_rank == 0 and j == 0))
+                  for j in range(v)]
+        schedules[name] = PipelineSchedule(chunks, mean_loss, topo, name=name, virtual_stages=v,
+                                           activation_shape=(1, 2, 4), activation_dtype=torch.float32,
+                                           device=torch.device("cpu"))
     tokens = torch.zeros(1, 2, dtype=torch.long)
-    out = []
-    for _ in range(steps):
-        schedule.run([(tokens, tokens)] * m)
-        out.append(schedule.step_metrics()["bubble_fraction"])
+    out: dict[str, list[float]] = {name: [] for name in schedules}
+    for step in range(steps):
+        for name in (list(schedules) if step % 2 == 0 else list(schedules)[::-1]):
+            schedules[name].run([(tokens, tokens)] * m)
+            out[name].append(schedules[name].step_metrics()["bubble_fraction"])
     return out
 
 
 def test_measured_bubble_follows_theory(pools):
     """Balanced sleeping stages (so core contention cannot distort them): 1F1B's measured
-    bubble is near (p-1)/(m+p-1); interleaving 2 chunks measures smaller. The bounds are
-    loose because a loaded 2-core machine adds wake-up latency (measured: 1F1B 0.206-0.216
-    against 0.2, interleaved 0.13-0.15 against 0.111); benchmarks/bench_pipeline.py is the
-    measurement. 40 ms stages keep those milliseconds small against the work."""
-    m, t_fwd, steps = 4, 0.04, 4
-    one_f = statistics.median(pools(2).run(_bubbles, "1f1b", 1, m, t_fwd, steps)[0][1:])
-    inter = statistics.median(pools(2).run(_bubbles, "interleaved", 2, m, t_fwd, steps)[0][1:])
+    bubble is near (p-1)/(m+p-1); interleaving 2 chunks measures smaller.
+
+    A loaded machine wakes each rank late after every sleep and every receive, and
+    interleaving has twice the hand-offs, so both schedules run in one process pair, step
+    by step alternately, compared by their medians; and the stages are long (100 ms
+    forward, 200 ms backward) against those wake-up delays. Held 5 runs in a row with two
+    busy processes beside the machine's own load (load average 13-26 on 2 cores).
+    benchmarks/bench_pipeline.py is the measurement."""
+    m, t_fwd, steps = 4, 0.1, 5
+    measured = pools(2).run(_bubbles_side_by_side, m, t_fwd, steps)[0]
+    one_f = statistics.median(measured["1f1b"][1:])
+    inter = statistics.median(measured["interleaved"][1:])
     theory = theoretical_bubble("1f1b", 2, 1, m)  # 1/5
-    assert 0.8 * theory < one_f < 1.5 * theory, one_f
-    assert 0.8 * theoretical_bubble("interleaved", 2, 2, m) < inter < one_f, (inter, one_f)
+    assert 0.8 * theory < one_f < 1.5 * theory, measured
+    assert 0.8 * theoretical_bubble("interleaved", 2, 2, m) < inter < one_f, measured
 
 
 def _count_step_collectives(job: dict) -> dict:
@@ -224,15 +277,15 @@ def _count_step_collectives(job: dict) -> dict:
 
         setattr(dist, name, counting)
     try:
-        first_done_before = "rank_step_time_s" in first
+        first_done_before = "max_step_time_s" in first
         second = trainer.train_step()
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
-    state = {"first_done_before": first_done_before, "first_done": "rank_step_time_s" in first,
-             "second_done": "rank_step_time_s" in second}
+    state = {"first_done_before": first_done_before, "first_done": "max_step_time_s" in first,
+             "second_done": "max_step_time_s" in second}
     trainer.finish_records()
-    state["second_done_after_finish"] = "rank_step_time_s" in second
+    state["second_done_after_finish"] = "max_step_time_s" in second
     state["bubble"] = second["bubble_fraction"]
     trainer.data.loader.close()
     return {"calls": calls, **state}

@@ -16,6 +16,7 @@ from parallel3d.train.setup import check_job, resolve_model_config
 from parallel3d.train.trainer import Trainer
 from parallel3d.zero import ZeroOptimizer, memory_report
 from parallel3d.zero.buckets import SHARD_ALIGN, BucketLayout
+from parallel3d.zero.grads import MAX_INFLIGHT
 from parallel3d.train.optim import build_optimizer
 
 from helpers import relative_diff, tiny_job
@@ -105,45 +106,39 @@ def _measure_memory(dp: int) -> dict:
     topo = Topology(1, 1, dp)
     train = TrainConfig()
     out = {}
-    for zero in (0, 1, 2):
-        model = _tiny_model()
-        par = ParallelConfig(dp=dp, zero=zero, bucket_mb=SMALL_BUCKET_MB)
-        opt = build_optimizer(model.parameters(), train, par, topo, model=model)
-        out[zero] = _one_step(model, opt)
-        if zero:
-            out["padding"] = opt.layout.padding
-            out["buckets"] = len(opt.layout.buckets)
+    for dtype in (torch.float32, torch.bfloat16):
+        for zero in (0, 1, 2):
+            model = _tiny_model().to(dtype)
+            par = ParallelConfig(dp=dp, zero=zero, bucket_mb=SMALL_BUCKET_MB)
+            opt = build_optimizer(model.parameters(), train, par, topo, model=model)
+            out[(dtype, zero)] = (*_one_step(model, opt), opt.layout.padding, len(opt.layout.buckets))
     model = _tiny_model()
-    opt = ZeroOptimizer(model.parameters(), train, topo, stage=1, bucket_mb=SMALL_BUCKET_MB,
-                        param_dtype=torch.bfloat16, model=model)
-    out["bf16"] = _one_step(model, opt)
-    out["n_params"] = len(list(model.parameters()))
     out["numel"] = sum(p.numel() for p in model.parameters())
     return out
 
 
 @pytest.mark.parametrize("dp", [2, 4])
 def test_memory_is_sharded(pools, dp):
-    """Bytes read from the storages each rank holds, compared with zero=0's."""
+    """Bytes read from the storages each rank holds, against the formula of every stage
+    (N parameters plus the layout's padding P, which differs between stage 0, aligned for
+    one shard, and the sharded stages, aligned for dp)."""
     for m in pools(dp).run(_measure_memory, dp):
-        numel, pad = m["numel"], m["padding"]
-        assert 0 < pad < m["buckets"] * dp * SHARD_ALIGN  # at most one shard alignment per bucket
-        (grads0, state0), (grads1, state1), (grads2, state2) = ((m[z][0]["grads"], m[z][1]["optimizer_state"])
-                                                               for z in (0, 1, 2))
-        # zero=0: torch's AdamW holds exp_avg and exp_avg_sq (4 bytes each per element) and
-        # a 4-byte step tensor per parameter; the sharded optimizer keeps the step as an int.
-        assert state0 == 8 * numel + 4 * m["n_params"]
-        moments0 = state0 - 4 * m["n_params"]
-        for state in (state1, state2):  # fp32 params are their own master weights
-            assert state * dp == moments0 + 8 * pad
-        # gradients held after the backward pass, before the step
-        assert grads0 == 4 * numel
-        assert grads2 * dp == grads0 + 4 * pad  # stage 2: only the fp32 shard
-        assert grads1 == (grads0 + 4 * pad) * (dp + 1) // dp  # stage 1: full buffer + shard
-        # bf16 parameters: 2 bytes each; master weights (4) and moments (8) sharded
-        bf16_before, bf16_after = m["bf16"]
-        assert bf16_after["params"] == 2 * (numel + pad)
-        assert bf16_after["optimizer_state"] * dp == 12 * (numel + pad)
+        numel = m["numel"]
+        for (dtype, zero), (before, after, pad, buckets) in ((k, v) for k, v in m.items() if k != "numel"):
+            align = dp if zero else 1
+            assert 0 <= pad < buckets * align * SHARD_ALIGN, (dtype, zero)  # one alignment per bucket
+            n = numel + pad
+            shards = dp if zero else 1
+            param_bytes = 2 if dtype == torch.bfloat16 else 4
+            assert after["params"] == param_bytes * n, (dtype, zero)
+            # moments (8 bytes), plus fp32 master weights (4) when the params are bf16
+            master = 4 if dtype == torch.bfloat16 else 0
+            assert after["optimizer_state"] * shards == (8 + master) * n, (dtype, zero)
+            # gradients held after the backward pass, before the step: a full fp32 buffer
+            # (stages 0, 1), this rank's fp32 shard (stages 1, 2)
+            full = 4 * n if zero < 2 else 0
+            shard = 4 * n // dp if zero else 0
+            assert before["grads"] == full + shard, (dtype, zero)
 
 
 def _overlap_trace(dp: int) -> dict:
@@ -169,12 +164,19 @@ def test_stage2_reduces_during_backward(pools):
         later_grads = {names[i] for kind, i in trace[first_issue:] if kind == "grad"}
         assert "embed_tokens.weight" in later_grads
         assert any(n.startswith("layers.0.") for n in later_grads)
-        # every bucket is issued right when its last gradient arrives, not at the end
+        # every bucket is issued right when its last gradient arrives, not at the end (after
+        # finishing the oldest reduction if MAX_INFLIGHT are in flight)
         for b in range(got["n_buckets"]):
             last_grad = max(k for k, (kind, i) in enumerate(trace)
                             if kind == "grad" and got["bucket_of"][i] == b)
-            assert trace[last_grad + 1] == ("issue", b)
-        assert trace[-got["n_buckets"]:] == [("done", b) for b in range(got["n_buckets"])]
+            issue = trace.index(("issue", b))
+            assert issue > last_grad and all(kind == "done" for kind, _ in trace[last_grad + 1:issue])
+        # finished in order, with at most MAX_INFLIGHT reductions (and their buffers) in flight
+        assert [b for kind, b in trace if kind == "done"] == list(range(got["n_buckets"]))
+        in_flight = 0
+        for kind, _ in trace:
+            in_flight += {"issue": 1, "done": -1}.get(kind, 0)
+            assert 0 <= in_flight <= MAX_INFLIGHT
 
 
 def test_bucket_layout():
@@ -219,9 +221,9 @@ def test_state_dict_round_trip():
             opt.step(1e-2)
 
     def fresh():
-        model = _tiny_model()
+        model = _tiny_model().to(torch.bfloat16)
         return model, ZeroOptimizer(model.parameters(), TrainConfig(), Topology.single(), stage=2,
-                                    bucket_mb=SMALL_BUCKET_MB, param_dtype=torch.bfloat16, model=model)
+                                    bucket_mb=SMALL_BUCKET_MB, model=model)
 
     model, opt = fresh()
     train(model, opt, range(3))
@@ -264,3 +266,97 @@ def test_norm_counts_replicated_parameters_once(pools):
         # fp32 sums of squares in another grouping (per piece vs per parameter): ~1e-6
         assert abs(zero2 - zero0) / zero0 < 1e-5
         assert unmarked > zero0 * 1.01  # the marks matter
+
+
+# -- the GPU path: overlap on the step's timeline, bf16 storage through the trainer ------------
+
+def _trace_and_memory(job: dict) -> dict:
+    from parallel3d.zero.memory import memory_report
+
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology(1, 1, cfg.parallel.dp))
+    trainer.fit()
+    opt = trainer.optimizer
+    return {"memory": memory_report(trainer.model, opt),
+            "numel": sum(p.numel() for p in trainer.model.parameters()),
+            "padding": opt.layout.padding, "dtypes": {str(p.dtype) for p in trainer.model.parameters()},
+            "master_dtype": str(opt.masters[0].dtype), "n_buckets": len(opt.layout.buckets)}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_buckets_are_reduced_inside_the_last_backward(pools, corpus_dir, tmp_path, zero):
+    """On the step's timeline (the trace), every gradient bucket's reduction is issued
+    before the step's last backward span ends: the data-parallel communication overlaps
+    the backward pass at every stage (stage 0 and 1 once the last micro-batch's backward
+    has filled a bucket, stage 2 for every micro-batch)."""
+    job = _job(corpus_dir, str(tmp_path), 2, zero, bucket_mb=SMALL_BUCKET_MB)
+    job["train"]["steps"] = 2
+    job["run"]["trace_steps"] = 2
+    got = pools(2).run(_trace_and_memory, job)[0]
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for pid in (0, 1):
+        for step in (1, 2):
+            mine = [e for e in events if e.get("pid") == pid and e.get("args", {}).get("step") == step]
+            issued = [e for e in mine if e["ph"] == "i" and e["name"].startswith("reduce bucket")]
+            backward_end = max(e["ts"] + e["dur"] for e in mine if e.get("cat") == "backward")
+            # stage 2 reduces every micro-batch, stages 0/1 once a step
+            m = job["train"]["global_batch"] // (job["train"]["micro_batch"] * 2)
+            per_bucket = m if zero == 2 else 1
+            assert len(issued) == per_bucket * got["n_buckets"], (pid, step, len(issued))
+            assert max(e["ts"] for e in issued) <= backward_end, (zero, pid, step)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2])
+def test_bf16_parameters_with_fp32_masters_only_in_the_optimizer(pools, corpus_dir, tmp_path, zero):
+    """train.dtype=bf16: the trainer stores every parameter in bf16; fp32 copies exist only
+    as the optimizer's master weights, whole at stage 0 and 1/dp at stages 1 and 2. Bytes
+    per rank after a step, from the storages (N parameters + the layout's padding P):
+    params 2(N+P); fp32 gradients 4(N+P) whole (stages 0, 1) + 4(N+P)/dp (1, 2); optimizer
+    state (fp32 master 4 + moments 8) x (N+P) / shards."""
+    dp = 2
+    job = _job(corpus_dir, str(tmp_path), dp, zero, bucket_mb=SMALL_BUCKET_MB)
+    job["train"].update(steps=1, dtype="bf16")
+    for got in pools(dp).run(_trace_and_memory, job):
+        assert got["dtypes"] == {"torch.bfloat16"} and got["master_dtype"] == "torch.float32"
+        n = got["numel"] + got["padding"]
+        shards = dp if zero else 1
+        mem = got["memory"]
+        assert mem["params"] == 2 * n
+        assert mem["optimizer_state"] == 12 * n // shards
+        assert mem["grads"] == (4 * n if zero < 2 else 0) + (4 * n // dp if zero else 0)
+
+
+def _main_grad_run(job: dict, use_main_grad: bool) -> dict:
+    from parallel3d.zero.grads import GradReducer
+
+    saved = GradReducer._use_main_grad
+    if not use_main_grad:
+        GradReducer._use_main_grad = lambda self: setattr(self, "main_grads", [])
+    try:
+        cfg = config_from_dict(job)
+        trainer = Trainer(cfg, Topology(cfg.parallel.tp, 1, cfg.parallel.dp))
+        history = trainer.fit()
+    finally:
+        GradReducer._use_main_grad = saved
+    opt = trainer.optimizer
+    taking = [p for p in opt.params if getattr(p, "p3d_takes_main_grad", False)]
+    return {"losses": [h["loss"] for h in history], "n_main_grads": len(opt.reducer.main_grads),
+            "n_taking": len(taking), "grads_none": all(p.grad is None for p in taking),
+            "views_of_buffer": all(p.main_grad.untyped_storage().data_ptr()
+                                   == opt.reducer.full.untyped_storage().data_ptr()
+                                   for p in taking) if use_main_grad else None}
+
+
+def test_bf16_tensor_parallel_weights_accumulate_into_their_fp32_main_grad(pools, corpus_dir, tmp_path):
+    """tp 2 x dp 2, bf16, ZeRO 1: every column/row-parallel weight adds its gradient straight
+    into its fp32 view of the optimizer's buffer (``main_grad``; ``.grad`` stays None) and the
+    buckets are still counted and reduced; on CPU the GEMM's dW is the same bf16 product
+    either way, so the losses equal those of the ``.grad`` path bit for bit."""
+    job = _job(corpus_dir, str(tmp_path), 2, 1, tp=2, bucket_mb=SMALL_BUCKET_MB)
+    job["train"].update(steps=3, dtype="bf16")
+    with_mg = pools(4).run(_main_grad_run, job, True)
+    without = pools(4).run(_main_grad_run, job, False)
+    for a, b in zip(with_mg, without):
+        assert a["n_main_grads"] == a["n_taking"] > 0 and b["n_main_grads"] == 0
+        assert a["grads_none"] and a["views_of_buffer"]
+        assert a["losses"] == b["losses"]

@@ -1,8 +1,13 @@
-"""Hugging Face ``LlamaForCausalLM`` (and Mistral, Qwen2) <-> parallel3d names and configs.
+"""Hugging Face ``LlamaForCausalLM`` (and Mistral, Qwen2, Qwen3) <-> parallel3d names and configs.
 
 Our parameter names are Hugging Face's without the ``model.`` prefix, so the state-dict
 adapter is a rename; the config adapter maps field names and refuses what we do not model
 (with the field and what to do).
+
+What the families add to the Llama block: Qwen2 q/k/v biases; Qwen3 an RMSNorm over each
+head's q and k (``q_norm``, ``k_norm``); ``attention_bias`` (Llama, Qwen3) biases on q, k, v
+and o; ``head_dim`` other than hidden / heads (Mistral-Nemo, Qwen3). Mistral's sliding
+window caps the sequence length (below it, attention is the full causal one).
 
 Config versions: transformers 4 writes ``rope_theta`` and ``rope_scaling``; transformers 5
 writes ``rope_parameters = {"rope_type", "rope_theta", ...scaling fields}``. Both are read.
@@ -12,7 +17,8 @@ from __future__ import annotations
 
 from .model import ROPE_SCALINGS, LlamaConfig
 
-_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+          "Qwen3ForCausalLM": "qwen3"}
 # Scaling fields that only change the rotary frequencies (other keys of rope_parameters,
 # such as the theta, are read separately).
 _SCALING_KEYS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor",
@@ -44,30 +50,42 @@ def _rope(hf: dict) -> tuple[float, tuple]:
     return float(theta), pairs
 
 
-def config_from_hf(hf: dict) -> LlamaConfig:
-    """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict."""
+def _family(hf: dict) -> str:
     archs = hf.get("architectures")
     if archs:
         known = [a for a in archs if a in _ARCHS]
         if not known:
             raise ValueError(f"unsupported Hugging Face architecture {archs}: parallel3d reads {sorted(_ARCHS)}")
-        family = _ARCHS[known[0]]
-    else:
-        family = hf.get("model_type", "llama")
-        if family not in _ARCHS.values():
-            raise ValueError(f"unsupported Hugging Face model_type '{family}': parallel3d reads "
-                             f"{sorted(_ARCHS.values())}")
+        return _ARCHS[known[0]]
+    family = hf.get("model_type", "llama")
+    if family not in _ARCHS.values():
+        raise ValueError(f"unsupported Hugging Face model_type '{family}': parallel3d reads "
+                         f"{sorted(_ARCHS.values())}")
+    return family
+
+
+def _check_attention(hf: dict, family: str) -> None:
+    """Refuse, by name, what the block does not model."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act '{hf['hidden_act']}' is not supported: the MLP is SwiGLU (silu)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError("attention_bias / mlp_bias (biases on o_proj or the MLP) are not supported; "
-                         "q/k/v biases are, as in Qwen2")
+    if hf.get("mlp_bias"):
+        raise ValueError("mlp_bias (biases on the MLP projections) is not supported")
+    if hf.get("attention_bias") and family in ("mistral", "qwen2"):
+        raise ValueError(f"attention_bias on a {family} config is not supported (transformers' "
+                         f"{family} has no such field)")
     if hf.get("use_sliding_window"):
         raise ValueError("use_sliding_window = true is not supported: attention is full causal")
+    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]) - {"full_attention"})
+    if kinds:
+        raise ValueError(f"layer_types {kinds} are not supported: every layer is full causal attention")
+
+
+def config_from_hf(hf: dict) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a Hugging Face ``config.json`` dict."""
+    family = _family(hf)
+    _check_attention(hf, family)
     n_heads, dim = hf["num_attention_heads"], hf["hidden_size"]
-    if hf.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(f"head_dim {hf['head_dim']} != hidden_size/num_attention_heads "
-                         f"{dim // n_heads}: unsupported")
+    head_dim = hf.get("head_dim") or dim // n_heads
     theta, scaling = _rope(hf)
     max_len = hf.get("max_position_embeddings", 8192)
     window = hf.get("sliding_window") if family == "mistral" else None
@@ -75,19 +93,30 @@ def config_from_hf(hf: dict) -> LlamaConfig:
         # Sliding-window attention equals full causal attention on sequences that fit in
         # the window: cap the sequence length there and the model is exact.
         max_len = min(max_len, window)
+    bias = bool(hf.get("attention_bias"))  # Llama, Qwen3: q, k, v and o
     return LlamaConfig(
         vocab_size=hf["vocab_size"], dim=dim, n_layers=hf["num_hidden_layers"],
         n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
         ffn_dim=hf["intermediate_size"], rope_theta=theta,
         norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_seq_len=max_len, qkv_bias=family == "qwen2", rope_scaling=scaling,
+        max_seq_len=max_len, qkv_bias=family == "qwen2" or bias, o_bias=bias,
+        qk_norm=family == "qwen3", rope_scaling=scaling,
+        head_dim_override=head_dim if head_dim * n_heads != dim else 0,
     )
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
-    """A ``config.json`` dict (transformers 4 spelling, which transformers 5 also reads)."""
-    arch, model_type = ("Qwen2ForCausalLM", "qwen2") if cfg.qkv_bias else ("LlamaForCausalLM", "llama")
+    """A ``config.json`` dict (transformers 4 spelling, which transformers 5 also reads):
+    Qwen3 for q/k norms, Qwen2 for q/k/v biases without an o bias, else Llama."""
+    if cfg.o_bias and not cfg.qkv_bias:
+        raise ValueError("an o_proj bias without q/k/v biases has no Hugging Face architecture")
+    if cfg.qk_norm:
+        arch, model_type = "Qwen3ForCausalLM", "qwen3"
+    elif cfg.qkv_bias and not cfg.o_bias:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    else:
+        arch, model_type = "LlamaForCausalLM", "llama"
     out = {
         "architectures": [arch], "model_type": model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim,
@@ -100,9 +129,11 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "rope_scaling": dict(cfg.rope_scaling) or None,
     }
     if model_type == "llama":
-        out.update({"attention_bias": False, "mlp_bias": False})
+        out.update({"attention_bias": cfg.o_bias, "mlp_bias": False})
     else:
         out.update({"use_sliding_window": False, "sliding_window": None})
+    if model_type == "qwen3":
+        out["attention_bias"] = cfg.o_bias
     return out
 
 

@@ -2,7 +2,9 @@
 
 RMSNorm, rotary position embeddings (configurable theta, the "rotate half" layout used by
 Hugging Face), grouped-query attention through ``F.scaled_dot_product_attention`` (flash
-kernels on GPU), a SwiGLU MLP, tied or untied embeddings.
+kernels on GPU for one causal sequence; packed documents pass a block-diagonal boolean
+mask, which SDPA runs with its memory-efficient kernel), a SwiGLU MLP, tied or untied
+embeddings; Qwen3's q/k norms, attention biases and a head width other than dim / heads.
 
 This file imports nothing from parallel3d: ``parallelize.py`` beside it swaps in
 tensor-parallel layers and cuts pipeline stages. To make that possible without touching
@@ -41,18 +43,25 @@ class LlamaConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     max_seq_len: int = 8192
-    # q/k/v projections with a bias (Qwen2); o_proj and the MLP never have one.
+    # q/k/v projections with a bias (Qwen2; Llama/Qwen3 attention_bias); the MLP never has one.
     qkv_bias: bool = False
+    # o_proj with a bias too (attention_bias of Llama and Qwen3 covers q, k, v and o).
+    o_bias: bool = False
+    # RMSNorm over each head's q and k before the rotation (Qwen3), weights of head_dim.
+    qk_norm: bool = False
+    # Width of one attention head when it is not dim / n_heads (Mistral-Nemo, Qwen3);
+    # 0: dim / n_heads.
+    head_dim_override: int = 0
     # Rotary frequency scaling as sorted (key, value) pairs of Hugging Face's
     # rope_scaling, e.g. (("factor", 8.0), ..., ("rope_type", "llama3")); () for none.
     rope_scaling: tuple = ()
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.head_dim_override or self.dim // self.n_heads
 
     def validate(self) -> None:
-        if self.dim % self.n_heads:
+        if self.dim % self.n_heads and not self.head_dim_override:
             raise ValueError(f"model.dim {self.dim} is not divisible by model.n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
@@ -69,6 +78,7 @@ class LlamaConfig:
         attn = self.dim * (self.n_heads * hd) * 2 + self.dim * (self.n_kv_heads * hd) * 2
         if self.qkv_bias:
             attn += (self.n_heads + 2 * self.n_kv_heads) * hd
+        attn += self.dim * self.o_bias + 2 * hd * self.qk_norm
         mlp = 3 * self.dim * self.ffn_dim
         per_layer = attn + mlp + 2 * self.dim
         emb = self.vocab_size * self.dim
@@ -99,8 +109,39 @@ def config_from_preset(name: str, **overrides) -> LlamaConfig:
     return replace(PRESETS[name], **changes)
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """``y = w * (x * r).to(x.dtype)`` with ``r = 1/sqrt(mean(x^2) + eps)`` in fp32.
+
+    Keeps only ``x`` (in its own dtype) and ``r`` (one fp32 per row) for the backward,
+    where the composition of torch ops would keep fp32 copies of ``x`` and of the
+    normalized ``x`` as well: 2 bytes per element under bf16 instead of 10. Backward,
+    with ``n = x r``, ``g = (dy w)`` in fp32::
+
+        dw = sum over rows of dy * n        dx = r * (g - n * mean(g * n))
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        n32 = x.to(rstd.dtype) * rstd
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (dy * n32.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        g = (dy * weight).to(rstd.dtype)
+        dx = rstd * (g - n32 * (g * n32).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
+
+
 class RMSNorm(nn.Module):
-    """``y = x / sqrt(mean(x^2) + eps) * w``, computed in fp32 and cast back."""
+    """``y = x / sqrt(mean(x^2) + eps) * w``, computed in fp32 and cast back; keeps only its
+    input for the backward (:class:`_RMSNormFn`)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -108,10 +149,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return _RMSNormFn.apply(x, self.weight, self.eps)
 
 
 ROPE_SCALINGS = ("default", "linear", "llama3")
@@ -154,10 +192,22 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, h, S, hd) by position: x*cos + rotate_half(x)*sin."""
+    """Rotate (B, h, S, hd) by position: x*cos + rotate_half(x)*sin. cos, sin: (S, hd), or
+    (B, 1, S, hd) for per-document positions."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, S, S), True where query i may attend to key j:
+    ``j <= i`` and both in the same document. A document starts wherever its position is
+    0 (positions (B, S) restart at each document of a packed window)."""
+    doc = (positions == 0).cumsum(-1)  # (B, S): document number of each token
+    same = doc.unsqueeze(-1) == doc.unsqueeze(-2)  # (B, S, S)
+    S = positions.shape[-1]
+    causal = torch.ones(S, S, dtype=torch.bool, device=positions.device).tril()
+    return (same & causal).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -168,20 +218,53 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.o_bias)
+        # Qwen3: an RMSNorm over each head's q and k (one weight of head_dim for all heads)
+        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask`` (B, 1, S, S) bool: attend where True (packed documents); None: causal."""
         B, S, _ = x.shape
         hd = self.head_dim
         # Head counts come from the projection widths: under tensor parallelism these are
         # the local heads of this rank.
-        q = self.q_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, h, S, hd)
-        k = self.k_proj(x).view(B, S, -1, hd).transpose(1, 2)  # (B, kvh, S, hd)
+        q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, h, hd)
+        k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, kvh, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, h, S, hd), (B, kvh, S, hd)
         v = self.v_proj(x).view(B, S, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """``silu(gate) * up``, keeping only ``gate`` and ``up`` for the backward (``silu(gate)``
+    is recomputed there, one element-wise pass) where torch's ops would also keep
+    ``silu(gate)``. With ``s = sigmoid(gate)``::
+
+        d_up = dy * gate * s        d_gate = dy * up * s * (1 + gate * (1 - s))
+    """
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        d_up = dy * (gate * s)
+        d_gate = dy * up * (s * (1 + gate * (1 - s)))
+        return d_gate, d_up
 
 
 class MLP(nn.Module):
@@ -194,7 +277,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_SwiGLUFn.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -205,8 +288,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -215,6 +299,12 @@ class Llama(nn.Module):
 
     ``forward`` also accepts hidden states (B, S, dim) when ``embed_tokens`` is None (a
     later pipeline stage) and returns hidden states when ``lm_head`` is None.
+
+    ``positions`` (B, S), the position of each token within its document, packs several
+    documents in one window: the rotation restarts at each document (a token at position
+    0 starts one) and attention stays inside it (:func:`document_mask`). None: one causal
+    sequence at positions 0 .. S-1. Positions cover the whole sequence, also under
+    sequence parallelism (attention sees all S positions there).
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -252,12 +342,16 @@ class Llama(nn.Module):
     def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, dim)
         cos, sin = self.rope(h.shape[1] * self.sequence_shards, h.device)
-        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)  # (S, hd)
+        mask = None
+        if positions is not None:
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, S, hd)
+            mask = document_mask(positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None:

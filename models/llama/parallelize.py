@@ -18,9 +18,10 @@ Tensor parallelism over p ranks, per decoder layer (Megatron's split)::
     norms      replicated (counted once in the grad norm)
 
 The input of attention and of the MLP crosses the wire once for all their
-column-parallel layers (a forward pre-hook; the all-reduce of dX in backward). With
-sequence parallelism the residual stream and the norms hold S/p positions per rank; the
-hook all-gathers the sequence, and the row-parallel layers reduce-scatter it back.
+column-parallel layers (``share_input``: q, k, v and gate, up run as one node each; one
+all-reduce of the summed dX in backward, overlapped with their wgrad GEMMs). With
+sequence parallelism the residual stream and the norms hold S/p positions per rank; that
+node all-gathers the sequence, and the row-parallel layers reduce-scatter it back.
 
 Every rank builds the full model from the seed and keeps its slices (``from_dense``), so
 the sharded model equals the unsharded one: that is the tp-aware initialisation. For
@@ -38,30 +39,48 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
 from parallel3d.errors import UserError
+from parallel3d.kernels import gemm  # noqa: F401 - registers torch.ops.parallel3d.linear_*
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                        VocabParallelEmbedding, enter_tensor_parallel_region,
-                                        mark_replicated, padded_size, vocab_parallel_cross_entropy)
+                                        VocabParallelEmbedding, mark_replicated, padded_size,
+                                        share_input, vocab_parallel_cross_entropy)
 from parallel3d.pipeline.partition import layer_ranges, rank_chunks, resolve_split
 
 from .model import Llama, LlamaConfig
 
 
-def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over all (B*S) positions, computed in fp32."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+IGNORE_INDEX = -100  # a target that is not trained on (torch's F.cross_entropy default)
+
+
+def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor,
+                       divisor: float | None = None) -> torch.Tensor:
+    """Next-token cross-entropy in fp32, skipping targets equal to :data:`IGNORE_INDEX`.
+
+    ``divisor`` None: the mean over the supervised positions of this batch. A number: the
+    sum over them divided by it (the pipeline passes the supervised tokens of the whole
+    global batch over dp, so every micro-batch is weighted by its share of them)."""
+    flat_logits, flat_targets = logits.float().flatten(0, 1), targets.flatten()
+    if divisor is None:
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
+    return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum") / divisor
 
 
 class VocabParallelLoss:
-    """Mean cross-entropy over all (B*S) positions from logits split by vocabulary,
-    (B, S, Vp/tp) on each tp rank: equals :func:`cross_entropy_loss` on the full logits."""
+    """:func:`cross_entropy_loss` from logits split by vocabulary, (B, S, Vp/tp) on each
+    tp rank (the same value on every tp rank; targets equal to :data:`IGNORE_INDEX` add
+    nothing and get no gradient)."""
 
     def __init__(self, vocab_size: int, tp_rank: int, tp: int, group):
         self.vocab_size, self.group = vocab_size, group
         self.vocab_start = tp_rank * (padded_size(vocab_size, tp) // tp)
 
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, vocab_start=self.vocab_start,
-                                            vocab_size=self.vocab_size, group=self.group).mean()
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor,
+                 divisor: float | None = None) -> torch.Tensor:
+        loss = vocab_parallel_cross_entropy(logits, targets, vocab_start=self.vocab_start,
+                                            vocab_size=self.vocab_size, group=self.group,
+                                            ignore_index=IGNORE_INDEX)
+        if divisor is not None:
+            return loss.sum() / divisor
+        return loss.sum() / (targets != IGNORE_INDEX).sum()
 
 
 def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
@@ -105,8 +124,8 @@ def apply_tensor_parallel(model: Llama, topo, sequence_parallel: bool = False,
     cfg = model.cfg
     check_tensor_parallel(cfg, tp)
     sp = sequence_parallel
-    col = {"sequence_parallel": sp, "communicate_input": False, "backend": backend}
-    row = {"sequence_parallel": sp, "backend": backend}
+    coords = {"tp": tp, "tp_rank": tp_rank}  # from the topology: no group needed to lay out
+    col = row = {"sequence_parallel": sp, "backend": backend, **coords}
     kv, shared = kv_rows(cfg, tp_rank, tp)
     for layer in model.layers.values():
         attn, mlp = layer.self_attn, layer.mlp
@@ -117,15 +136,20 @@ def apply_tensor_parallel(model: Llama, topo, sequence_parallel: bool = False,
         mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, group, **col)
         mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, group, **col)
         mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, group, **row)
-        enter_tensor_parallel_region(attn, group, sp)
-        enter_tensor_parallel_region(mlp, group, sp)
+        share_input(attn, attn.q_proj, attn.k_proj, attn.v_proj)
+        share_input(mlp, mlp.gate_proj, mlp.up_proj)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             mark_replicated(norm.weight, tp_rank, tp, partial_grad=sp)
+        if attn.q_norm is not None:
+            # One weight applied to every head; each rank sees its own heads (and the
+            # query heads reading its kv-heads), so its gradient is a part of the sum.
+            for norm in (attn.q_norm, attn.k_norm):
+                mark_replicated(norm.weight, tp_rank, tp, partial_grad=True)
     if model.norm is not None:
         mark_replicated(model.norm.weight, tp_rank, tp, partial_grad=sp)
     if model.embed_tokens is not None:
         model.embed_tokens = VocabParallelEmbedding.from_dense(model.embed_tokens, group,
-                                                               sequence_parallel=sp)
+                                                               sequence_parallel=sp, **coords)
     if model.lm_head is not None:
         head = ColumnParallelLinear.from_dense(
             model.lm_head, group, out_features=padded_size(cfg.vocab_size, tp), **row)
@@ -242,10 +266,12 @@ class PipelineStage(nn.Module):
 # -- activation recomputation ---------------------------------------------------------------
 
 # Selective recomputation keeps what is costly to recompute and cheap to store relative to
-# it: the outputs of the matrix multiplications (q, k, v, o, gate, up, down). Everything
-# else in the layer (RMSNorm, RoPE, attention itself, SiLU * up, residual adds) is re-run
-# in the backward pass from those saved outputs.
-_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+# it: the outputs of the matrix multiplications (q, k, v, o, gate, up, down), whether
+# torch's (aten.mm / addmm / bmm) or the Triton GEMM (its custom op). Everything else in
+# the layer (RMSNorm, RoPE, attention itself, SiLU * up, residual adds, and the
+# tensor-parallel collectives) is re-run in the backward pass from those saved outputs.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.parallel3d.linear_fwd.default}
 
 
 def _keep_matmul_outputs(ctx, op, *args, **kwargs):
@@ -273,6 +299,10 @@ def apply_recompute(model: Llama, mode: str) -> Llama:
     for layer in model.layers.values():
         if getattr(layer, "p3d_recompute", None) is not None:
             raise ValueError(f"recompute already applied ({layer.p3d_recompute})")
+        if mode == "selective":  # the checkpoint keeps the GEMM outputs: reduce copies of them
+            for module in layer.modules():
+                if isinstance(module, RowParallelLinear):
+                    module.reduce_in_place = False
         layer.forward = partial(_recomputed_forward, layer.forward, context_fn)
         layer.p3d_recompute = mode
     return model

@@ -70,78 +70,143 @@ class Checkpointer:
         return box[0]
 
     # -- loading ---------------------------------------------------------------------------
-    def _resume_folder(self) -> Path | None:
+    def _resume_source(self):
+        """The checkpoint to resume as a source: a parallel3d checkpoint, or another
+        framework's (DeepSpeed ZeRO 0-3, torch DCP, Megatron) named by ``checkpoint.resume``."""
         how = self.cfg.resume
         if how == "never":
             return None
         if how == "auto":
-            return find_checkpoint(self.root)
+            found = find_checkpoint(self.root)
+            return CheckpointReader(found, verify=self.cfg.verify) if found is not None else None
         path = Path(how)
         if not path.is_dir():
             raise UserError(f"checkpoint.resume '{how}' is not a folder: give a checkpoint folder, "
                             "a checkpoints folder with 'latest', 'auto' or 'never'")
-        found = find_checkpoint(path)
-        if found is None:
-            raise UserError(f"checkpoint.resume '{how}' holds no complete checkpoint")
-        return found
+        from .convert import open_source
+        from .hf import HFFolder
+
+        try:
+            source = open_source(path, verify=self.cfg.verify)
+        except UserError as e:
+            if find_checkpoint(path) is None and "is neither" in str(e):
+                raise UserError(f"checkpoint.resume '{how}' holds no complete checkpoint") from None
+            raise
+        if isinstance(source, HFFolder):
+            source.close()
+            raise UserError(f"checkpoint.resume '{how}' is a Hugging Face model folder: start from "
+                            "it with model.hf_checkpoint (resume is for training checkpoints)")
+        return source
+
+    @property
+    def foreign(self) -> bool:
+        """Whether the checkpoint resumed was written by another framework."""
+        return self.reader is not None and not isinstance(self.reader, CheckpointReader)
+
+    def _source_to_resume(self):
+        """:meth:`_resume_source`, opened once."""
+        if not hasattr(self, "_to_resume"):
+            self._to_resume = self._resume_source()
+        return self._to_resume
+
+    def has_weights_to_load(self) -> bool:
+        """Whether :meth:`load_weights` will fill every parameter (a checkpoint to resume,
+        or ``model.hf_checkpoint``): the model then needs no initialisation of its own."""
+        return self._source_to_resume() is not None or bool(self.job.model.hf_checkpoint)
 
     @torch.no_grad()
     def load_weights(self, model: torch.nn.Module) -> str | None:
         """Fill ``model``'s parameters from the checkpoint to resume, or from
         ``model.hf_checkpoint``; returns where they came from (None: seeded init kept)."""
-        found = self._resume_folder()  # every rank alike: nothing writes before training starts
+        found = self._source_to_resume()  # every rank alike: nothing writes before training starts
         placements = param_placements(model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
         if found is not None:
-            self.reader = CheckpointReader(Path(found), verify=self.cfg.verify)
-            check_same_model(self.reader.index.model, model_identity(self.model_cfg), self.reader.folder)
-            source, prefix = self.reader, "model/"
-            self.resumed_from = Path(found)
+            self.reader = found
+            saved = found.index.model if isinstance(found, CheckpointReader) else model_identity(found.model_config)
+            check_same_model(saved, model_identity(self.model_cfg), found.folder)
+            source = found
+            self.resumed_from = Path(found.folder)
         elif self.job.model.hf_checkpoint:
             from .hf import HFFolder
 
-            source, prefix = HFFolder(self.job.model.hf_checkpoint), "model/"
+            source = HFFolder(self.job.model.hf_checkpoint)
             check_same_model(model_identity(source.model_config), model_identity(self.model_cfg),
                              source.folder)
         else:
             return None
         for p in model.parameters():
             pl = placements[id(p)]
-            name = prefix + pl.name
+            name = "model/" + pl.name
             if p.dtype == torch.float32 and source.has("master/" + pl.name):
                 name = "master/" + pl.name  # fp32 masters of a bf16 run: full precision
-            p.copy_(read_block(source, name, pl, p.dtype, p.device))
+            read_block(source, name, pl, p.dtype, p.device, out=p)  # this rank's slice, in place
         self.hf_config = source.hf_config
         return str(source.folder)
 
     def load_training_state(self, trainer) -> int:
         """Optimizer, sampler and RNG from the checkpoint being resumed; returns its step
-        (0 without one). Call after :meth:`load_weights` and building the optimizer."""
+        (0 without one). Call after :meth:`load_weights` and building the optimizer.
+
+        From another framework's checkpoint: the Adam moments and step (any layout, zero 0
+        or the sharded optimizer), and the data position of a parallel3d run at that step
+        (the sampler continues at ``step * global_batch``); the RNG is not carried."""
         if self.reader is None:
             return 0
-        index = self.reader.index
-        trainer_state = index.trainer or {}
+        trainer_state = self.reader.trainer or {}
         placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
         had_optimizer = load_optimizer(trainer.optimizer, placements, trainer_state.get("optimizer"),
                                        self.reader)
-        step = int(trainer_state.get("step", index.step))
-        self._load_sampler(trainer, trainer_state.get("sampler"), step)
-        same_layout = all(index.layout.get(k) == v for k, v in _layout(self.job, self.topo).items())
-        meta = self.reader.rank_meta(self.topo.rank if same_layout else 0)
-        if meta and "rng" in meta:
-            set_rng_state(meta["rng"])
+        step = int(trainer_state.get("step", self.reader.step))
+        if self.foreign:
+            sampler_state = self._foreign_sampler_state(trainer, step)
+        else:
+            sampler_state = trainer_state.get("sampler")
+        self._load_sampler(trainer, sampler_state, step)
+        if not self.foreign:
+            index = self.reader.index
+            same_layout = all(index.layout.get(k) == v for k, v in _layout(self.job, self.topo).items())
+            meta = self.reader.rank_meta(self.topo.rank if same_layout else 0)
+            if meta and "rng" in meta:
+                set_rng_state(meta["rng"])
         if self.topo.rank == 0:
             note = "" if had_optimizer else " (weights only: the optimizer starts fresh)"
+            if had_optimizer and self.foreign:
+                note = self._foreign_note(trainer_state.get("optimizer") or {})
             print(f"resuming from {self.reader.folder} at step {step}{note}", flush=True)
         self._last_saved = step
         return step
 
-    def _sampler_state(self, trainer) -> dict:
+    def _foreign_sampler_state(self, trainer, step: int) -> dict | None:
         s = trainer.sampler
-        if hasattr(s, "state_dict"):
-            return s.state_dict()
-        # The step-indexed sampler: its position is the step; record what it depends on.
-        return {"consumed_samples": trainer.step * s.global_batch, "seed": s.seed,
-                "num_samples": s.num_samples}
+        if not hasattr(s, "state_dict"):
+            return None
+        return {**s.state_dict(), "consumed_samples": step * s.global_batch}
+
+    def _foreign_note(self, opt: dict) -> str:
+        """What came across, and the source's hyper-parameters where they differ from ours."""
+        t = self.job.train
+        ours = {"lr": None, "betas": [t.beta1, t.beta2], "eps": t.eps}
+        differ = [f"{k} {opt[k]} there, {v} here" for k, v in ours.items()
+                  if v is not None and k in opt and opt[k] != v]
+        lr = f"; its last lr {opt['lr']:g}" if isinstance(opt.get("lr"), (int, float)) else ""
+        warn = f"; differing: {', '.join(differ)}" if differ else ""
+        return f" (Adam moments and step {opt.get('step')} from it{lr}{warn})"
+
+    def _sampler_state(self, trainer, step: int) -> dict:
+        """The data position after ``step`` (``trainer.step`` or the step before it: a
+        stopped step consumed one global batch that its checkpoint gives back)."""
+        s = trainer.sampler
+        if not hasattr(s, "state_dict"):
+            # The step-indexed sampler: its position is the step; record what it depends on.
+            return {"consumed_samples": step * s.global_batch, "seed": s.seed,
+                    "num_samples": s.num_samples}
+        state = s.state_dict()
+        if step != trainer.step:
+            consumed = state["consumed_samples"] - (trainer.step - step) * s.global_batch
+            state["consumed_samples"] = consumed
+            if "epoch" in state:
+                state["epoch"] = consumed // s.num_samples
+        return state
 
     def _load_sampler(self, trainer, state: dict | None, step: int) -> None:
         s = trainer.sampler
@@ -171,10 +236,16 @@ class Checkpointer:
         return self.cfg.interval > 0 or self.export_dir is not None
 
     def save_now(self, trainer) -> None:
-        """Save at ``trainer.step`` and wait until it is on disk (the trainer's hook before
-        it stops on a non-finite step)."""
-        if trainer.step != self._last_saved:
-            self.save(trainer)
+        """The trainer's hook before it stops on a non-finite step: save the last good
+        step and wait until it is on disk.
+
+        The stopped step (``trainer.step``) changed no weight and no optimizer state, but
+        its batch was consumed; the checkpoint is that of step ``trainer.step - 1`` with the
+        data position before that batch, so a resume repeats the stopped step exactly as
+        a resume from a regular checkpoint of the last good step would."""
+        good = trainer.step - 1
+        if good != self._last_saved:
+            self.save(trainer, step=good)
         self.writer.wait()
 
     def due(self, trainer) -> bool:
@@ -189,8 +260,10 @@ class Checkpointer:
         self.save(trainer)
         return True
 
-    def save(self, trainer) -> None:
-        """Save the trainer's state at ``trainer.step`` (collective over all ranks)."""
+    def save(self, trainer, step: int | None = None) -> None:
+        """Save the trainer's state as the checkpoint of ``step`` (default ``trainer.step``;
+        :meth:`save_now` gives the step before a stopped one); collective over all ranks."""
+        step = trainer.step if step is None else step
         wait = getattr(trainer.optimizer, "wait_for_params", None)
         if wait is not None:
             wait()  # a sharded optimizer may still be gathering the updated parameters
@@ -199,22 +272,25 @@ class Checkpointer:
         slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
                  for p in trainer.model.parameters() if placements[id(p)].writer]
         opt_scalars, opt_slots = optimizer_slots(trainer.optimizer, placements)
-        # whole blocks are equal over dp (one writer); flat shards differ over dp (each
-        # dp rank writes its own) and are equal over model-parallel replicas (the owner)
-        slots += [s for s in opt_slots if (s.placement.owner if s.flat is not None else s.placement.writer)]
+        # whole blocks are equal over dp (one writer); flat shards of a sharded optimizer
+        # differ over dp (each dp rank writes its own) and are equal over model-parallel
+        # replicas (the owner); stage 0's flat state is equal over dp too (one writer)
+        sharded = getattr(trainer.optimizer, "shards_over_dp", False)
+        slots += [s for s in opt_slots
+                  if (s.placement.owner if s.flat is not None and sharded else s.placement.writer)]
         meta = {"rank": self.topo.rank, **self.topo.coords(), "rng": rng_state()}
         fields = {}
         if self.topo.rank == 0:
             fields = {"model": model_identity(self.model_cfg), "config": self.job.to_dict(),
                       "layout": _layout(self.job, self.topo),
-                      "trainer": {"step": trainer.step, "optimizer": opt_scalars,
-                                  "sampler": self._sampler_state(trainer)}}
+                      "trainer": {"step": step, "optimizer": opt_scalars,
+                                  "sampler": self._sampler_state(trainer, step)}}
             if self.hf_config:
                 fields["hf_config"] = self.hf_config
-        payload = RankPayload(trainer.step, self.topo.rank, snapshot(slots, copy=self.cfg.async_save),
+        payload = RankPayload(step, self.topo.rank, snapshot(slots, copy=self.cfg.async_save),
                               meta, fields)
         self.writer.save(payload)
-        self._last_saved = trainer.step
+        self._last_saved = step
 
     def finish(self, trainer) -> None:
         """Wait for a background save; write the Hugging Face export if asked."""

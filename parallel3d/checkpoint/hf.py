@@ -1,4 +1,4 @@
-"""Hugging Face model folders: read any region of any weight, write a folder tensor by tensor.
+"""Hugging Face model folders: read any region of any weight (writing: :mod:`.writers`).
 
 A folder holds ``config.json`` and the weights as ``model.safetensors`` or as shards
 listed in ``model.safetensors.index.json``. :class:`HFFolder` serves them under our
@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
-from parallel3d.models.llama.hf import config_from_hf, config_to_hf, name_from_hf, name_to_hf
+from parallel3d.models.llama.hf import config_from_hf, name_from_hf
 
 from .errors import CheckpointError, read_json_object
-from .safetensors_io import SafetensorsFile, StreamingWriter
+from .safetensors_io import SafetensorsFile
 from .state import logical_shapes
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -150,9 +149,11 @@ class HFFolder:
 
 
 # What a fine-tuned export needs from its source folder besides the weights: the tokenizer
-# (transformers' fast and sentencepiece forms) and the generation defaults.
+# (transformers' fast and sentencepiece forms, the chat template when it has its own
+# file) and the generation defaults.
 COMPANION_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
 
 
 def copy_companion_files(src: str | Path, dst: str | Path) -> list[str]:
@@ -190,56 +191,3 @@ def plan_shards(specs: list[tuple[str, tuple, torch.dtype]], max_bytes: int) -> 
     if current:
         shards.append(current)
     return shards
-
-
-def write_hf_folder(dst: Path, source, model_cfg, *, hf_config: dict | None = None,
-                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30,
-                    progress=None) -> list[tuple[str, str]]:
-    """Write ``source``'s ``model/*`` tensors as a Hugging Face folder at ``dst``, one tensor
-    in memory at a time; returns ``[(logical name, file)]``. Written into a temporary
-    folder renamed to ``dst`` at the end (an existing ``dst`` is replaced)."""
-    names = hf_order([n for n in source.names() if n.startswith("model/")])
-    specs = []
-    for n in names:
-        shape, src_dtype = source.spec(n)
-        specs.append((n, tuple(shape), dtype or src_dtype))
-    shards = plan_shards(specs, max_shard_bytes)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    placed, weight_map, total = [], {}, 0
-    for s, members in enumerate(shards):
-        file = SINGLE_NAME if len(shards) == 1 else f"model-{s + 1:05d}-of-{len(shards):05d}.safetensors"
-        writer = StreamingWriter(tmp / file, [(name_to_hf(specs[i][0][6:]), specs[i][2], specs[i][1])
-                                               for i in members], metadata={"format": "pt"})
-        for i in members:
-            name, shape, want = specs[i]
-            t = source.read(name)
-            writer.write(name_to_hf(name[6:]), t.to(want))
-            total += t.numel() * torch.empty((), dtype=want).element_size()
-            placed.append((name, file))
-            weight_map[name_to_hf(name[6:])] = file
-            if progress is not None:
-                progress(t.numel() * t.element_size())
-            del t
-        writer.close()
-    if len(shards) > 1:
-        (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
-                                                  "weight_map": weight_map}, indent=2))
-    config = dict(hf_config) if hf_config else config_to_hf(model_cfg)
-    if hf_config:  # keep the source's own fields (token ids, ...), checked against ours
-        ours = config_from_hf(config)
-        if ours.tie_embeddings != model_cfg.tie_embeddings or ours.vocab_size != model_cfg.vocab_size:
-            config = config_to_hf(model_cfg)
-    if dtype is not None:
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-        config.pop("dtype", None)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-        os.replace(tmp, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dst)
-    return placed

@@ -11,16 +11,13 @@ from __future__ import annotations
 import torch
 
 from .errors import CheckpointError
-from .state import Placement, Slot, read_block
+from .state import Placement, Slot
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def optimizer_slots(optimizer, placements: dict[int, Placement]) -> tuple[dict, list[Slot]]:
     """(JSON-able scalars, slots to save) of ``optimizer``."""
-    inner = getattr(optimizer, "inner", None)
-    if isinstance(inner, torch.optim.AdamW):
-        return _adamw_slots(optimizer, placements)
     if _is_zero(optimizer):
         return _zero_slots(optimizer, placements)
     raise CheckpointError(f"checkpoints do not know the optimizer {type(optimizer).__name__}")
@@ -29,9 +26,6 @@ def optimizer_slots(optimizer, placements: dict[int, Placement]) -> tuple[dict, 
 def load_optimizer(optimizer, placements: dict[int, Placement], scalars: dict | None, source) -> bool:
     """Load the optimizer state from ``source`` (a reader); False if the checkpoint holds
     none (a weights-only checkpoint, e.g. converted from Hugging Face)."""
-    inner = getattr(optimizer, "inner", None)
-    if isinstance(inner, torch.optim.AdamW):
-        return _adamw_load(optimizer, placements, scalars or {}, source)
     if _is_zero(optimizer):
         return _zero_load(optimizer, placements, scalars or {}, source)
     raise CheckpointError(f"checkpoints do not know the optimizer {type(optimizer).__name__}")
@@ -47,41 +41,12 @@ def _has_moments(source, placements: list[Placement]) -> bool:
     return bool(present) and all(present)
 
 
-# -- torch AdamW over whole (TP-local) parameters: DataParallelOptimizer -------------------------
-def _adamw_slots(opt, placements):
-    steps, slots = set(), []
-    for p in opt.params:
-        st = opt.inner.state.get(p)
-        if not st:
-            continue
-        pl = placements[id(p)]
-        steps.add(int(st["step"]))
-        for m in MOMENTS:
-            slots.append(Slot(f"optim/{m}/{pl.name}", pl, st[m]))
-    if len(steps) > 1:
-        raise CheckpointError(f"AdamW parameters are at different steps {sorted(steps)}")
-    return {"kind": "adamw", "step": steps.pop() if steps else 0}, slots
-
-
-@torch.no_grad()
-def _adamw_load(opt, placements, scalars, source) -> bool:
-    pls = [placements[id(p)] for p in opt.params]
-    if not _has_moments(source, pls):
-        return False
-    step = int(scalars.get("step", 0))
-    for p, pl in zip(opt.params, pls):
-        state = {"step": torch.tensor(float(step), dtype=torch.float32)}
-        for m in MOMENTS:
-            state[m] = read_block(source, f"optim/{m}/{pl.name}", pl, p.dtype, p.device)
-        opt.inner.state[p] = state
-    return True
-
-
-# -- the sharded optimizer (parallel3d.zero.ZeroOptimizer, stages 1 and 2) -----------------------
-# It packs this rank's parameters into buckets; dp rank r owns the range
-# [r * N_b / dp, (r+1) * N_b / dp) of bucket b: its fp32 masters ``masters[b]`` and the
-# moments at ``shard_offsets()[b]`` of the flat Adam buffers. Each parameter segment inside
-# that range is a flat range [a, c) of the parameter's (tensor-parallel) block: one slot.
+# -- the flat-buffer optimizer (parallel3d.zero.ZeroOptimizer, every stage) ---------------------
+# It packs this rank's parameters into buckets; at stages 1 and 2 dp rank r owns the range
+# [r * N_b / dp, (r+1) * N_b / dp) of bucket b (stage 0: every rank the whole bucket): its
+# fp32 masters ``masters[b]`` and the moments at ``shard_offsets()[b]`` of the flat Adam
+# buffers. Each parameter segment inside that range is a flat range [a, c) of the
+# parameter's (tensor-parallel) block: one slot.
 def _is_zero(opt) -> bool:
     return all(hasattr(opt, a) for a in ("layout", "masters", "master_is_param", "step_count", "adam"))
 
@@ -91,8 +56,8 @@ def _zero_segments(opt, placements):
     elements [a, c) of the flattened block of ``param``."""
     out = []
     for b, bucket in enumerate(opt.layout.buckets):
-        s_lo, _ = bucket.shard_range(opt.dp_rank)
-        for seg, lo, hi in bucket.shard_pieces(opt.dp_rank):
+        s_lo, _ = bucket.shard_range(opt.shard_rank)
+        for seg, lo, hi in bucket.shard_pieces(opt.shard_rank):
             p = opt.params[seg.index]
             a = s_lo + lo - seg.start
             out.append((p, placements[id(p)], b, lo, hi, a, a + hi - lo))

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import torch
 
+from . import zerocopy
 from .errors import CheckpointError, read_json_object
-from .format import INDEX, LATEST, Index, TensorEntry, check_file_name, flat_boxes, intersect
+from .format import INDEX, LATEST, Index, TensorEntry, check_file_name, intersect
 from .safetensors_io import SafetensorsFile, file_sha256
+from .source import block_flat
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -199,7 +201,9 @@ class CheckpointReader:
                 if dest.is_contiguous():  # read straight into place: no second copy
                     f.read_box(piece.key, inner, box[1], out=dest, **view)
                 else:
-                    dest.copy_(f.read_box(piece.key, inner, box[1], **view))
+                    part = f.read_box(piece.key, inner, box[1], **view)
+                    dest.copy_(part)
+                    zerocopy.release(part)
                 covered += math.prod(box[1])
         if covered != math.prod(shape):
             raise CheckpointError(f"{self.folder}: only {covered} of {math.prod(shape)} elements of "
@@ -207,27 +211,42 @@ class CheckpointReader:
                                   "(a rank's file is missing from the index?)")
         return out
 
+    def read_rows(self, name: str) -> list[torch.Tensor] | None:
+        """Zero-copy conversion (:mod:`.zerocopy`): the tensor as row blocks, in order, whose
+        bytes concatenated are the tensor's (pieces split along dim 0 only: a column-parallel
+        weight, a vocabulary-parallel embedding); None when pieces split another dim."""
+        e = self.entry(name)
+        if not zerocopy.enabled() or not e.shape or len(e.pieces) < 2:
+            return None
+        pieces = sorted(e.pieces, key=lambda p: p.offsets[0])
+        at, parts = 0, []
+        for p in pieces:
+            if p.flat is not None or any(p.offsets[1:]) or tuple(p.block[1:]) != tuple(e.shape[1:]) \
+                    or p.offsets[0] != at:
+                for t in parts:
+                    zerocopy.release(t)
+                return None
+            rows = min(p.block[0], e.shape[0] - at)
+            parts.append(self._file(p.file).read_box(p.key, (0,) * len(e.shape), (rows,) + e.shape[1:]))
+            at += rows
+        return parts if at == e.shape[0] else None
+
     def read_block_flat(self, name: str, block_offsets, block_shape, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the row-major flattened block ``[block_offsets,
         block_offsets + block_shape)`` (what a ZeRO rank owns of a parameter). Elements of
         the block outside the logical tensor (vocabulary padding) are zero."""
-        e = self.entry(name)
-        out = torch.zeros(hi - lo, dtype=e.dtype)
-        whole = ((0,) * len(e.shape), e.shape)
-        for start, bshape, pos in flat_boxes(tuple(block_shape), lo, hi):
-            goff = tuple(o + s for o, s in zip(block_offsets, start))
-            box = intersect(goff, bshape, *whole)
-            if box is None:
-                continue
-            part = self.read_region(name, *box)
-            n = math.prod(bshape)
-            if box[1] == tuple(bshape):
-                out[pos:pos + n] = part.reshape(-1)
-            else:
-                tmp = torch.zeros(bshape, dtype=e.dtype)
-                tmp[tuple(slice(b - g, b - g + s) for b, g, s in zip(box[0], goff, box[1]))] = part
-                out[pos:pos + n] = tmp.reshape(-1)
-        return out
+        self.entry(name)
+        return block_flat(self, name, block_offsets, block_shape, lo, hi)
+
+    def verify_hashes(self) -> None:
+        """Check every file's sha256 against the index, whatever was checked before (what
+        a conversion that opened with ``verify=False`` runs beside its reads)."""
+        for name, rec in self.index.files.items():
+            path = self._path(name)
+            _, digest = file_sha256(path)
+            if digest != rec["sha256"]:
+                raise CheckpointError(f"{path} does not match the sha256 recorded in {INDEX}: "
+                                      "the file is corrupted or altered; refusing to load it")
 
     def verify_all(self) -> None:
         """Check every file of the checkpoint (size and sha256)."""

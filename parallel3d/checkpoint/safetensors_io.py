@@ -24,10 +24,12 @@ import json
 import math
 import os
 import struct
+import zlib
 from pathlib import Path
 
 import torch
 
+from . import zerocopy
 from .errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -59,6 +61,65 @@ def _raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
+_PARALLEL_HASH = 1 << 20  # bytes from which a buffer is hashed while it is being written
+
+
+class _Crc32:
+    """zlib's CRC-32 behind hashlib's interface (4x cheaper than sha256 here: a checksum
+    against corruption, where nothing needs a cryptographic digest)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+class HashedFile:
+    """A binary file that hashes (``sha256``, or ``crc32``) and counts what is written to
+    it. A large buffer is hashed on a helper thread while this thread writes it (both
+    release the GIL), so the hash costs no time beside the write when a core is free."""
+
+    def __init__(self, path: str | Path, algorithm: str = "sha256"):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.path = Path(path)
+        self._file = open(self.path, "wb")
+        self._hash = hashlib.sha256() if algorithm == "sha256" else _Crc32()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="p3d-hash")
+        self.size = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if view.nbytes >= _PARALLEL_HASH:
+            hashed = self._pool.submit(self._hash.update, view)
+            self._file.write(view)
+            hashed.result()
+        else:
+            self._file.write(view)
+            self._hash.update(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> tuple[int, str]:
+        """Flush and fsync; returns (size, sha256 hex digest)."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._pool.shutdown()
+        return self.size, self._hash.hexdigest()
+
+    def abort(self) -> None:
+        self._file.close()
+        self._pool.shutdown()
+
+
 class StreamingWriter:
     """Write a safetensors file whose keys, dtypes and shapes are known up front.
 
@@ -73,7 +134,7 @@ class StreamingWriter:
     """
 
     def __init__(self, path: str | Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+                 metadata: dict[str, str] | None = None, algorithm: str = "sha256"):
         self.path = Path(path)
         header: dict = {}
         if metadata:
@@ -92,14 +153,9 @@ class StreamingWriter:
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
         self._next = 0
-        self._hash = hashlib.sha256()
-        self._file = open(self.path, "wb")
-        self._emit(struct.pack("<Q", len(text)))
-        self._emit(text)
-
-    def _emit(self, data) -> None:
-        self._file.write(data)
-        self._hash.update(data)
+        self._file = HashedFile(self.path, algorithm)
+        self._file.write(struct.pack("<Q", len(text)))
+        self._file.write(text)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         if self._next >= len(self._order):
@@ -110,7 +166,19 @@ class StreamingWriter:
                              f"{key} {tensor.dtype} {tuple(tensor.shape)}")
         data = _raw_bytes(tensor)
         assert data.nbytes == nbytes
-        self._emit(data)
+        self._file.write(data)
+        self._next += 1
+
+    def write_rows(self, key: str, parts: list[torch.Tensor]) -> None:
+        """Write tensor ``key`` given as row blocks whose concatenation along dim 0 is it."""
+        want_key, dtype, shape, nbytes = self._order[self._next] if self._next < len(self._order) else (None,) * 4
+        rows = sum(p.shape[0] for p in parts)
+        if key != want_key or any(p.dtype != dtype or tuple(p.shape[1:]) != shape[1:] for p in parts) \
+                or (rows,) + tuple(shape[1:]) != shape:
+            raise ValueError(f"{self.path.name}: expected {want_key} {dtype} {shape}, got {key} as "
+                             f"{[tuple(p.shape) for p in parts]}")
+        for p in parts:
+            self._file.write(_raw_bytes(p))
         self._next += 1
 
     def close(self) -> tuple[int, str]:
@@ -119,14 +187,10 @@ class StreamingWriter:
             missing = [k for k, *_ in self._order[self._next:]]
             self.abort()
             raise ValueError(f"{self.path.name}: closed before writing {missing[:3]}")
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        size = self._file.tell()
-        self._file.close()
-        return size, self._hash.hexdigest()
+        return self._file.close()
 
     def abort(self) -> None:
-        self._file.close()
+        self._file.abort()
 
 
 def write_file(path: str | Path, tensors: dict[str, torch.Tensor],
@@ -213,8 +277,16 @@ class SafetensorsFile:
                 raise CheckpointError(f"{self.path}: unexpected end of file (truncated?)")
             pos += got
 
+    def _view(self, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """Zero-copy (see :mod:`.zerocopy`): ``count`` elements at ``offset`` of the data region."""
+        if getattr(self, "_mm", None) is None:
+            self._mm, _ = zerocopy.map_file(self._fd)
+        return zerocopy.view_of(self._mm, self._data_start + offset, count, dtype)
+
     def read(self, key: str) -> torch.Tensor:
         info = self.info(key)
+        if zerocopy.enabled() and math.prod(info.shape):
+            return self._view(info.begin, math.prod(info.shape), info.dtype).reshape(info.shape)
         out = torch.empty(info.shape, dtype=info.dtype)
         if out.numel():
             self._pread_into(out, info.begin)
@@ -246,6 +318,11 @@ class SafetensorsFile:
         offsets, shape = tuple(offsets), tuple(shape)
         if len(offsets) != len(full) or any(o < 0 or o + s > f for o, s, f in zip(offsets, shape, full)):
             raise CheckpointError(f"{self.path}: box {offsets}+{shape} outside {key!r} of shape {full}")
+        if out is None and zerocopy.enabled() and math.prod(shape) and self._one_run(full, offsets, shape):
+            item = torch.empty((), dtype=info.dtype).element_size()
+            first = sum(o * math.prod(full[d + 1:]) for d, o in enumerate(offsets))
+            return self._view(info.begin + (flat_start + first) * item, math.prod(shape),
+                              info.dtype).reshape(shape)
         if out is None:
             out = torch.empty(shape, dtype=info.dtype)
         elif tuple(out.shape) != shape or out.dtype != info.dtype or not out.is_contiguous():
@@ -288,7 +365,18 @@ class SafetensorsFile:
             self._pread_into(flat_out[i], base + start * item)
         return out
 
+    @staticmethod
+    def _one_run(full, offsets, shape) -> bool:
+        """Whether the box is one contiguous run of the row-major tensor."""
+        d = len(full) - 1
+        while d > 0 and shape[d] == full[d]:
+            d -= 1
+        return all(s == 1 for s in shape[:d])
+
     def close(self) -> None:
+        if getattr(self, "_mm", None) is not None:
+            zerocopy.unmap(self._mm)  # the mapping itself goes when no tensor views it any more
+            self._mm = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -10,11 +10,18 @@ The protocol, for step ``s`` (``token`` is agreed by the ranks once per run)::
                  the pointer moves last
     every rank   returns once rank 0 says the checkpoint is complete (or raises its error)
 
+Before any rank writes, the ranks' file sizes go to rank 0, which makes room
+(:mod:`.room`: leftovers of dead saves removed, and when the disk is short the
+checkpoints ``keep`` would drop after this save removed first) or refuses the save, in
+one line, before a byte is written. A save that fails while writing removes its
+``.tmp-`` folder (every rank its own files, rank 0 the folder) before it raises.
+
 A process killed at any point leaves either the previous ``latest`` or the new one, each
-pointing at a complete folder; a ``.tmp-`` folder is never read and the next save deletes
-it. With ``async_save`` the tensors are first copied to host memory, and a background
-thread does the rest (over its own gloo group, so training collectives are not disturbed)
-while training continues; the next save (or the end of training) waits for it.
+pointing at a complete folder; a ``.tmp-`` folder is never read and a later save deletes
+it once it is certainly dead (:func:`.room.dead_leftovers`). With ``async_save`` the
+tensors are first copied to host memory, and a background thread does the rest (over its
+own gloo group, so training collectives are not disturbed) while training continues; the
+next save (or the end of training) waits for it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch.distributed as dist
 from .errors import CheckpointError
 from .format import LATEST, Index, Piece, TensorEntry
 from .reader import complete_checkpoints, read_latest, step_dir_name
+from .room import filesystem_now, make_room, needed_bytes
 from .safetensors_io import StreamingWriter
 from .state import Slot, clip_to_shape
 
@@ -77,12 +85,27 @@ def _write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
+def rank_file_names(rank: int) -> tuple[str, str]:
+    """(tensor file, metadata file) that ``rank`` writes into a checkpoint folder."""
+    stem = f"rank_{rank:05d}"
+    return f"{stem}.safetensors", f"{stem}.json"
+
+
+def rank_file_sizes(payload: RankPayload) -> list[int]:
+    """The sizes of the files :func:`write_rank_files` will write (its safetensors header
+    estimated generously), known before writing anything."""
+    tensor_bytes = sum(s.tensor.numel() * s.tensor.element_size() for s in payload.slots)
+    sizes = [len(json.dumps(payload.meta).encode("utf-8"))]
+    if payload.slots:
+        sizes.append(8 + 64 + 256 * len(payload.slots) + tensor_bytes)
+    return sizes
+
+
 def write_rank_files(folder: Path, payload: RankPayload) -> dict:
     """Write this rank's tensors and metadata into ``folder``; returns its records:
     ``{"files": {name: {size, sha256}}, "tensors": {name: (shape, dtype, [piece json])},
     "rank_file": name}``."""
-    stem = f"rank_{payload.rank:05d}"
-    tensor_file = f"{stem}.safetensors"
+    tensor_file, meta_file = rank_file_names(payload.rank)
     specs, data, tensors = [], [], {}
     for slot in payload.slots:
         pl = slot.placement
@@ -111,7 +134,6 @@ def write_rank_files(folder: Path, payload: RankPayload) -> dict:
             raise
         size, sha = writer.close()
         files[tensor_file] = {"size": size, "sha256": sha}
-    meta_file = f"{stem}.json"
     text = json.dumps(payload.meta)
     with open(folder / meta_file, "w", encoding="utf-8") as f:
         f.write(text)
@@ -149,6 +171,20 @@ def build_index(step: int, records: list[dict], fields: dict) -> Index:
                  config=fields.get("config"), hf_config=fields.get("hf_config"))
 
 
+def _by_message(errors: list[str | None]) -> str:
+    """The ranks' errors, one entry per distinct message: "ranks 0-3: OSError: ..."."""
+    ranks: dict[str, list[int]] = {}
+    for rank, err in enumerate(errors):
+        if err:
+            ranks.setdefault(err, []).append(rank)
+    parts = []
+    for err, who in ranks.items():
+        span = f"rank {who[0]}" if len(who) == 1 else (
+            f"ranks {who[0]}-{who[-1]}" if who[-1] - who[0] == len(who) - 1 else f"ranks {who}")
+        parts.append(f"{span}: {err}")
+    return "; ".join(parts)
+
+
 # A test seam: called at the named points of a save; the kill-mid-save test replaces it to
 # stop the process at each of them. A no-op otherwise.
 def _phase(name: str) -> None:
@@ -167,6 +203,10 @@ class CheckpointWriter:
         self.keep, self.token, self.async_save = keep, token, async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        # When this run started by the checkpoint filesystem's clock: leftovers not
+        # modified since are dead (.room). Only rank 0 clears leftovers.
+        self.started = filesystem_now(self.root) if rank == 0 else 0.0
+        self.log = lambda line: print(line, flush=True)
 
     def save(self, payload: RankPayload) -> None:
         """Write ``payload`` (this rank's part of step ``payload.step``); collective."""
@@ -197,27 +237,57 @@ class CheckpointWriter:
     def _save(self, payload: RankPayload) -> None:
         final = self.root / step_dir_name(payload.step)
         tmp = self.root / f"{final.name}.tmp-{self.token}"
+        wants = self._gather((rank_file_sizes(payload), len(payload.slots)))
+        refused = self._broadcast(self._room_for(payload, wants))
+        if refused:
+            raise CheckpointError(refused)
         records, error = None, None
         try:
             tmp.mkdir(parents=True, exist_ok=True)
             records = write_rank_files(tmp, payload)
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
-            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
         _phase("rank_files_written")
         gathered = self._gather((records, error))
         outcome = None
         if self.rank == 0:
-            errors = [err for _, err in gathered if err]
             try:
-                if errors:
-                    raise CheckpointError("; ".join(errors))
+                failed = _by_message([err for _, err in gathered])
+                if failed:
+                    raise CheckpointError(failed)
                 index = build_index(payload.step, [rec for rec, _ in gathered], payload.index_fields)
                 self._finalize(index, tmp, final)
             except Exception as e:  # noqa: BLE001 - sent to every rank
                 outcome = f"checkpoint step {payload.step} in {self.root} failed: {e}"
         outcome = self._broadcast(outcome)
         if outcome:
+            self._discard(tmp)
             raise CheckpointError(outcome)
+
+    def _room_for(self, payload: RankPayload, wants: list[tuple[list[int], int]]) -> str | None:
+        """Rank 0: make room for this save (:mod:`.room`) given every rank's (file sizes,
+        pieces); the refusal, or None to go ahead."""
+        if self.rank != 0:
+            return None
+        step = payload.step
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fields = len(json.dumps(payload.index_fields, indent=1, default=str))
+            need = needed_bytes(self.root, [sizes for sizes, _ in wants], sum(n for _, n in wants), fields)
+            return make_room(self.root, step, need, self.keep, self.token, self.started, self.log)
+        except Exception as e:  # noqa: BLE001 - sent to every rank, which then raises it
+            return f"checkpoint step {step} in {self.root} failed before writing: {e}"
+
+    def _discard(self, tmp: Path) -> None:
+        """A failed save leaves nothing: each rank removes its own files, rank 0 the
+        folder (every rank's writing ended before the outcome was broadcast)."""
+        for name in rank_file_names(self.rank):
+            try:
+                (tmp / name).unlink()
+            except OSError:
+                pass
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _finalize(self, index: Index, tmp: Path, final: Path) -> None:
         index.write(tmp / "index.json")
@@ -226,7 +296,11 @@ class CheckpointWriter:
         if final.exists():  # a checkpoint of this step from before a resume: replace it
             old = final.with_name(f"{final.name}.old-{self.token}")
             os.replace(final, old)
-            os.replace(tmp, final)
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(old, final)  # the failed save leaves the checkpoint it would replace
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
@@ -236,10 +310,7 @@ class CheckpointWriter:
         self._prune()
 
     def _prune(self) -> None:
-        """Drop checkpoints beyond the newest ``keep`` and leftovers of killed saves."""
-        for p in self.root.iterdir():
-            if p.is_dir() and p.name.startswith("step_") and (".tmp-" in p.name or ".old-" in p.name):
-                shutil.rmtree(p, ignore_errors=True)
+        """Drop checkpoints beyond the newest ``keep``."""
         if self.keep <= 0:
             return
         latest = read_latest(self.root)

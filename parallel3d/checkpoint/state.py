@@ -55,9 +55,25 @@ def logical_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
     """Parameter name -> shape in the unsplit model (built on the meta device: no memory)."""
     from parallel3d.models.llama import Llama
 
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInit():
         model = Llama(model_cfg)
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+class _NoInit(torch.overrides.TorchFunctionMode):
+    """Skips in-place initialisation while building on the meta device for shapes: a meta
+    ``normal_`` goes through torch's reference implementations, whose first use imports
+    torch._dynamo (seconds, for values nobody reads)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if getattr(func, "__name__", "") in _INIT_OPS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
+
+
+_INIT_OPS = {"normal_", "uniform_", "fill_", "zero_", "kaiming_uniform_", "trunc_normal_", "ones_", "zeros_"}
 
 
 def logical_param_name(name: str, model_cfg) -> str:
@@ -104,14 +120,19 @@ def clip_to_shape(t: torch.Tensor, pl: Placement) -> torch.Tensor:
     return t[tuple(slice(0, n) for n in c)]
 
 
-def read_block(source, name: str, pl: Placement, dtype: torch.dtype, device) -> torch.Tensor:
+def read_block(source, name: str, pl: Placement, dtype: torch.dtype, device,
+               out: torch.Tensor | None = None) -> torch.Tensor:
     """A block-shaped tensor of logical ``name`` for placement ``pl``: the in-bounds part
-    read from ``source`` (anything with ``read_region``), padding zero."""
+    read from ``source`` (anything with ``read_region``), padding zero. With ``out`` (the
+    parameter itself, say) it is filled in place: the only transient is the part read."""
     c = pl.clipped()
-    out = torch.zeros(pl.block, dtype=dtype, device=device)
+    if out is None:
+        out = torch.zeros(pl.block, dtype=dtype, device=device)
+    elif tuple(c) != tuple(out.shape):
+        out.zero_()  # padding rows (a vocabulary padded to a multiple of tp)
     if math.prod(c):
         part = source.read_region(name, pl.offsets, c)
-        out[tuple(slice(0, n) for n in c)] = part.to(device=device, dtype=dtype)
+        out[tuple(slice(0, n) for n in c)] = part.to(device=device, dtype=out.dtype)
     return out
 
 

@@ -12,6 +12,13 @@ documents, each followed by the EOS id, back to back. Shards are cut wherever th
 falls, even inside a document, so the shard size is a storage detail: readers see the
 concatenation (:class:`TokenStream`), and a training window may span two shards.
 
+Version 2 adds, per split, the start of every document in the stream (``train-docs-*.bin``,
+little-endian int64, one entry per document: the packing of documents into windows needs
+them) and, for chat data, a loss mask (``train-mask-*.bin``, one uint8 per token, 1 where
+the token is a target to train on: the assistant turns; cut into shards at the same
+places as the tokens). Version 1 datasets (no document starts, no mask) still open and
+train as before; packing them by document asks to prepare them again.
+
 ``index.json`` records, per shard, its token count, byte size and sha256; opening a
 dataset checks every size (a truncated copy fails at once), :func:`verify_checksums`
 checks the hashes. :attr:`PreparedDataset.fingerprint` (derived from the hashes) names
@@ -32,9 +39,12 @@ import numpy as np
 from parallel3d.errors import UserError
 
 FORMAT = "parallel3d-tokens"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 INDEX = "index.json"
 SPLITS = ("train", "val")
+# Per split, the lists of shards besides the tokens (version 2), and their element type.
+SIDE_SHARDS = {"doc_shards": np.dtype("<i8"), "mask_shards": np.dtype(np.uint8)}
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -60,15 +70,19 @@ def atomic_write_bytes(path: Path, data) -> None:
 class ShardWriter:
     """Appends token arrays to one split and cuts them into shards of ``shard_tokens``."""
 
-    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int):
+    def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int,
+                 name: str | None = None):
         self.out_dir, self.split, self.dtype = out_dir, split, np.dtype(dtype)
+        self.name = name or split  # files are NAME-00000.bin
         self.shard_tokens = shard_tokens
         self.shards: list[dict] = []
         self.num_docs = 0
         self._pending: list[np.ndarray] = []
         self._pending_tokens = 0
+        self.num_tokens_added = 0  # elements added so far, written or pending
 
     def add(self, tokens: np.ndarray, num_docs: int) -> None:
+        self.num_tokens_added += len(tokens)
         if len(tokens):
             self._pending.append(np.asarray(tokens, dtype=self.dtype))
             self._pending_tokens += len(tokens)
@@ -81,7 +95,7 @@ class ShardWriter:
         shard, rest = flat[:n], flat[n:]
         self._pending = [rest] if len(rest) else []
         self._pending_tokens = len(rest)
-        name = f"{self.split}-{len(self.shards):05d}.bin"
+        name = f"{self.name}-{len(self.shards):05d}.bin"
         data = shard.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
         atomic_write_bytes(self.out_dir / name, data)
         self.shards.append({"file": name, "num_tokens": int(n), "bytes": len(data),
@@ -96,11 +110,12 @@ class ShardWriter:
 
 
 def write_index(out_dir: Path, *, dtype: np.dtype, eos_id: int, vocab_size: int,
-                tokenizer_sha256: str, splits: dict[str, dict], source: dict) -> dict:
+                tokenizer_sha256: str, splits: dict[str, dict], source: dict,
+                loss_mask: bool = False) -> dict:
     index = {"format": FORMAT, "version": VERSION, "dtype": np.dtype(dtype).name,
              "eos_id": int(eos_id), "vocab_size": int(vocab_size),
              "tokenizer": {"dir": "tokenizer", "sha256": tokenizer_sha256},
-             "splits": splits, "source": source}
+             "loss_mask": bool(loss_mask), "splits": splits, "source": source}
     atomic_write_bytes(out_dir / INDEX, json.dumps(index, indent=1).encode())
     return index
 
@@ -135,6 +150,12 @@ class TokenStream:
             k += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
+    def locate(self, pos: int) -> tuple[str | None, int]:
+        """(shard file, token offset in it) of stream position ``pos``; the file is None
+        for shards that are plain arrays rather than memory-mapped files."""
+        k = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+        return getattr(self.shards[k], "filename", None), pos - int(self.offsets[k])
+
 
 @dataclass(frozen=True)
 class PreparedDataset:
@@ -161,7 +182,36 @@ class PreparedDataset:
         ident = {"dtype": self.index["dtype"], "eos_id": self.eos_id,
                  "splits": {k: [s["sha256"] for s in v["shards"]]
                             for k, v in sorted(self.index["splits"].items())}}
+        side = {k: [s["sha256"] for key in SIDE_SHARDS for s in v.get(key, [])]
+                for k, v in sorted(self.index["splits"].items())}
+        if any(side.values()):  # version 2: the documents and the mask name the content too
+            ident["side"] = side
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def has_documents(self) -> bool:
+        """Whether every split records where its documents start (version 2)."""
+        return all("doc_shards" in v for v in self.index["splits"].values())
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether the dataset says which tokens to train on (chat data)."""
+        return bool(self.index.get("loss_mask"))
+
+    def _side(self, split: str, key: str) -> TokenStream:
+        entry = self.index["splits"].get(split, {})
+        maps = [np.memmap(self.dir / s["file"], dtype=SIDE_SHARDS[key], mode="r", shape=(s["num_tokens"],))
+                for s in entry.get(key, []) if s["num_tokens"]]
+        return TokenStream(maps)
+
+    def document_starts(self, split: str) -> np.ndarray:
+        """(documents,) int64: where each document of ``split`` starts in its token stream."""
+        starts = self._side(split, "doc_shards")
+        return np.asarray(starts[0:len(starts)], dtype=np.int64)
+
+    def loss_mask(self, split: str) -> TokenStream:
+        """One uint8 per token of ``split``: 1 where the token is trained on as a target."""
+        return self._side(split, "mask_shards")
 
     def num_tokens(self, split: str) -> int:
         entry = self.index["splits"].get(split)
@@ -187,30 +237,52 @@ def open_dataset(path: str | Path) -> PreparedDataset:
         index = json.loads(index_path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"dataset index '{index_path}' cannot be read: {e}") from None
-    if index.get("format") != FORMAT or index.get("version") != VERSION:
+    if index.get("format") != FORMAT or index.get("version") not in READABLE_VERSIONS:
         raise UserError(f"'{index_path}' is not a {FORMAT} v{VERSION} index (format "
                         f"{index.get('format')!r}, version {index.get('version')!r}): prepare the data again")
-    itemsize = np.dtype(index["dtype"]).itemsize
-    for name, entry in index["splits"].items():
-        for shard in entry["shards"]:
-            f = d / shard["file"]
-            size = f.stat().st_size if f.is_file() else None
-            want = shard["num_tokens"] * itemsize
-            if size != want:
-                got = "missing" if size is None else f"{size} bytes"
-                raise UserError(f"shard '{f}' is {got}, the index says {want} bytes: the dataset "
-                                "is truncated or was changed; prepare it again")
+    for shard, itemsize in all_shards(index):
+        f = d / shard["file"]
+        size = f.stat().st_size if f.is_file() else None
+        want = shard["num_tokens"] * itemsize
+        if size != want:
+            got = "missing" if size is None else f"{size} bytes"
+            raise UserError(f"shard '{f}' is {got}, the index says {want} bytes: the dataset "
+                            "is truncated or was changed; prepare it again")
     return PreparedDataset(d, index)
+
+
+def all_shards(index: dict):
+    """(shard entry, bytes per element) of every file the index names: tokens, and the
+    document starts and loss mask of version 2; splits in name order (the same list on
+    every rank)."""
+    itemsize = np.dtype(index["dtype"]).itemsize
+    for _, entry in sorted(index["splits"].items()):
+        for shard in entry["shards"]:
+            yield shard, itemsize
+        for key, dtype in SIDE_SHARDS.items():
+            for shard in entry.get(key, []):
+                yield shard, dtype.itemsize
+
+
+def file_sha256(path: Path, stop=None) -> str | None:
+    """sha256 of ``path``, read 16 MiB at a time (hashlib releases the GIL on each block);
+    None if ``stop`` (a ``threading.Event``) is set before the end."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            if stop is not None and stop.is_set():
+                return None
+            h.update(block)
+    return h.hexdigest()
+
+
+def shard_mismatch_message(path: Path) -> str:
+    return (f"shard '{path}' does not match its sha256 in the dataset's {INDEX}: the file "
+            "changed after prepare-data wrote it; restore it or prepare the data again")
 
 
 def verify_checksums(ds: PreparedDataset) -> None:
     """Re-hash every shard against the index (reads the whole dataset)."""
-    for entry in ds.index["splits"].values():
-        for shard in entry["shards"]:
-            h = hashlib.sha256()
-            with open(ds.dir / shard["file"], "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    h.update(block)
-            if h.hexdigest() != shard["sha256"]:
-                raise UserError(f"shard '{ds.dir / shard['file']}' does not match its sha256 "
-                                "in the index: the dataset was changed; prepare it again")
+    for shard, _ in all_shards(ds.index):
+        if file_sha256(ds.dir / shard["file"]) != shard["sha256"]:
+            raise UserError(shard_mismatch_message(ds.dir / shard["file"]))

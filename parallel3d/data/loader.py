@@ -9,6 +9,12 @@ batch in ``next()`` instead; then the wait is the whole time spent building it.
 
 What the trainer has consumed, not what the thread has read ahead, is the sampler's
 position: ``state_dict()`` resumes at the first step the trainer has not been given.
+
+Two optional hooks (:mod:`parallel3d.data.checks` provides them): ``check(position)``
+runs in the builder before a step's batch is built and may raise (a step whose ids are
+out of range), and ``before_step()`` runs at the top of every ``next()`` on the
+trainer's thread (the background checksum verification's verdict). An error from either
+reaches the trainer at ``next()`` of the step concerned, before its forward.
 """
 
 from __future__ import annotations
@@ -20,28 +26,48 @@ import weakref
 
 import torch
 
+from parallel3d.data.batch import MicroBatch
+from parallel3d.data.packing import PackedWindows
 from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
 
 _DONE = object()
 
 
-def _build_step(windows: TokenWindows, sampler: GlobalBatchSampler, position: int, pin: bool):
-    out = []
-    for idx in sampler.indices_at(position):
-        x, y = windows.batch(idx)
-        if pin:
-            x, y = x.pin_memory(), y.pin_memory()
-        out.append((x, y))
+def step_micro_batches(windows, sampler: GlobalBatchSampler, position: int) -> list:
+    """This rank's micro-batches of the global batch at ``position``: ``(inputs, targets)``
+    pairs from :class:`TokenWindows`; from :class:`PackedWindows`, micro-batches carrying
+    positions and the loss divisor, the supervised targets of the whole global batch
+    (counted by every rank from the sampler, no collective) over dp."""
+    if not isinstance(windows, PackedWindows):
+        return [windows.batch(idx) for idx in sampler.indices_at(position)]
+    divisor = max(1, windows.supervised(sampler.global_indices_at(position))) / sampler.dp
+    return [windows.micro_batch(idx, divisor) for idx in sampler.indices_at(position)]
+
+
+def _to(mb, device):
+    if isinstance(mb, MicroBatch):
+        return mb.to(device, non_blocking=True)
+    return tuple(t.to(device, non_blocking=True) for t in mb)
+
+
+def _build_step(windows: TokenWindows, sampler: GlobalBatchSampler, position: int, pin: bool,
+                check=None):
+    if check is not None:
+        check(position)
+    out = step_micro_batches(windows, sampler, position)
+    if pin:
+        out = [mb.pin_memory() if isinstance(mb, MicroBatch) else tuple(t.pin_memory() for t in mb)
+               for mb in out]
     return out
 
 
-def _produce(windows, sampler, start: int, pin: bool, q: queue.Queue, stop: threading.Event):
+def _produce(windows, sampler, start: int, pin: bool, q: queue.Queue, stop: threading.Event, check):
     # A plain function (not a method) so that the thread holds no reference to the loader:
     # a loader nobody closes is still collected, and its finalizer stops this thread.
     position = start
     try:
         while not stop.is_set():
-            item = (position, _build_step(windows, sampler, position, pin))
+            item = (position, _build_step(windows, sampler, position, pin, check))
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.2)
@@ -66,8 +92,9 @@ def _stop_thread(thread: threading.Thread | None, stop: threading.Event) -> None
 
 class PrefetchLoader:
     def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler,
-                 device: torch.device, depth: int = 2):
+                 device: torch.device, depth: int = 2, check=None, before_step=None):
         self.windows, self.sampler, self.device, self.depth = windows, sampler, device, depth
+        self.check, self.before_step = check, before_step  # see the module docstring
         self._pin = device.type == "cuda"
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -78,7 +105,8 @@ class PrefetchLoader:
         self._queue: queue.Queue = queue.Queue(maxsize=self.depth)
         self._thread = threading.Thread(
             target=_produce, name="p3d-prefetch", daemon=True,
-            args=(self.windows, self.sampler, self.sampler.consumed, self._pin, self._queue, self._stop))
+            args=(self.windows, self.sampler, self.sampler.consumed, self._pin, self._queue, self._stop,
+                  self.check))
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop_thread, self._thread, self._stop)
 
@@ -86,8 +114,10 @@ class PrefetchLoader:
         """This rank's micro-batches of the next step, on the device, and the seconds
         this call waited for them."""
         t0 = time.perf_counter()
+        if self.before_step is not None:
+            self.before_step()
         if self.depth <= 0:
-            batches = _build_step(self.windows, self.sampler, self.sampler.consumed, self._pin)
+            batches = _build_step(self.windows, self.sampler, self.sampler.consumed, self._pin, self.check)
         else:
             if self._thread is None:
                 self._start()
@@ -98,9 +128,7 @@ class PrefetchLoader:
             assert position == self.sampler.consumed, (position, self.sampler.consumed)
         self.sampler.consumed += self.sampler.global_batch
         wait = time.perf_counter() - t0
-        on_device = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                     for x, y in batches]
-        return on_device, wait
+        return [_to(mb, self.device) for mb in batches], wait
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

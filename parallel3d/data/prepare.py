@@ -1,7 +1,10 @@
 """``parallel3d prepare-data``: raw text to token shards, in parallel worker processes.
 
-Inputs are read as described in :mod:`parallel3d.data.sources`. Every document is
-encoded without the tokenizer's own special tokens and followed by the EOS id. Document
+Inputs are read as described in :mod:`parallel3d.data.sources`. ``--format text`` (the
+default): every document is encoded without the tokenizer's own special tokens and
+followed by the EOS id. ``--format chat``: every JSON line is a conversation, rendered with
+the tokenizer's chat template and stored with its loss mask (:mod:`parallel3d.data.chat`).
+Where each document starts is stored too (format version 2). Document
 ``i`` (in input order) goes to the validation split when ``floor((i+1) f) > floor(i f)``
 for ``f = val_fraction``: whole documents, evenly spread, ``floor(n f)`` of them, the same
 on every run. The main process reads the inputs in chunks, workers tokenize them, and
@@ -15,18 +18,19 @@ import collections
 import contextlib
 import os
 import shutil
-import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 
+from parallel3d.data.chat import CHAT_TEMPLATE_FILES, ChatRenderer, has_chat_template
 from parallel3d.data.format import INDEX, SPLITS, ShardWriter, token_dtype, write_index
+from parallel3d.data.progress import PrepareReport, Progress
 from parallel3d.data.sources import CHUNK_BYTES, documents_of, expand_inputs, input_tasks
-from parallel3d.data.tokenizer import TokenizerSpec, load_tokenizer
+from parallel3d.data.tokenizer import TokenizerSpec, load_tokenizer, tokenizer_folder
 from parallel3d.errors import UserError
 
 __all__ = ["PrepareReport", "Progress", "TokenizerSpec", "load_tokenizer", "prepare_data",
@@ -91,12 +95,19 @@ def _pool_worker_init(*args) -> None:
     init_worker(*args)
 
 
-def _bounded_ordered(pool, tasks: Iterable[tuple], window: int) -> Iterator[tuple]:
+def _pool_chat_init(*args) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from parallel3d.data.chat import init_chat_worker
+
+    init_chat_worker(*args)
+
+
+def _bounded_ordered(pool, tasks: Iterable[tuple], window: int, encode=encode_task) -> Iterator[tuple]:
     """``pool.imap`` in order, but never more than ``window`` tasks in flight (imap reads
     its whole input ahead, which would hold the whole corpus in memory)."""
     pending: collections.deque = collections.deque()
     for task in tasks:
-        pending.append(pool.apply_async(encode_task, (task,)))
+        pending.append(pool.apply_async(encode, (task,)))
         if len(pending) >= window:
             yield pending.popleft().get()
     while pending:
@@ -104,79 +115,7 @@ def _bounded_ordered(pool, tasks: Iterable[tuple], window: int) -> Iterator[tupl
 
 
 # ---------------------------------------------------------------------------------------
-# Progress
-
-
-class Progress:
-    """A tqdm bar when stderr is a terminal and tqdm is installed, else a line every
-    ``every_s`` seconds; ``enabled=False`` prints nothing."""
-
-    def __init__(self, total_bytes: int, enabled: bool = True, every_s: float = 10.0):
-        self.total, self.done, self.tokens = total_bytes, 0, 0
-        self.enabled, self.every_s = enabled, every_s
-        self.t0 = self._last = time.perf_counter()
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            try:
-                from tqdm import tqdm
-
-                self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="prepare-data",
-                                file=sys.stderr)
-            except ImportError:
-                pass
-
-    def update(self, disk_bytes: int, tokens: int) -> None:
-        self.done += disk_bytes
-        self.tokens += tokens
-        if self.bar is not None:
-            self.bar.update(disk_bytes)
-            return
-        now = time.perf_counter()
-        if self.enabled and now - self._last >= self.every_s:
-            self._last = now
-            dt = now - self.t0
-            print(f"prepare-data: {100 * self.done / max(1, self.total):.0f}% "
-                  f"({self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB), {self.done / 1e6 / dt:.2f} MB/s, "
-                  f"{self.tokens / dt:,.0f} tokens/s", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-# ---------------------------------------------------------------------------------------
 # The pipeline
-
-
-@dataclass
-class PrepareReport:
-    out: Path
-    num_files: int
-    disk_bytes: int  # input bytes on disk (compressed size for .gz)
-    text_bytes: int  # UTF-8 bytes of the documents
-    seconds: float
-    workers: int
-    docs: dict[str, int] = field(default_factory=dict)  # per split
-    tokens: dict[str, int] = field(default_factory=dict)
-    shards: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def mb_per_s(self) -> float:
-        return self.disk_bytes / 1e6 / self.seconds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(self.tokens.values()) / self.seconds
-
-    def summary(self) -> str:
-        docs, toks = sum(self.docs.values()), sum(self.tokens.values())
-        shards = sum(self.shards.values())
-        return (f"prepared {docs:,} documents ({self.docs['train']:,} train, {self.docs['val']:,} val), "
-                f"{toks:,} tokens in {shards} shard{'s' * (shards != 1)} from {self.num_files} "
-                f"file{'s' * (self.num_files != 1)}, {self.disk_bytes / 1e6:.1f} MB on disk "
-                f"({self.text_bytes / 1e6:.1f} MB of text) in {self.seconds:.1f} s: "
-                f"{self.mb_per_s:.2f} MB/s, {self.tokens_per_s:,.0f} tokens/s "
-                f"({self.workers} worker{'s' * (self.workers != 1)}) -> {self.out}")
 
 
 def _val_mask(first_doc: int, n: int, frac: Fraction) -> np.ndarray:
@@ -188,50 +127,91 @@ def _val_mask(first_doc: int, n: int, frac: Fraction) -> np.ndarray:
 
 def tokenize_to_shards(tasks: Iterable[tuple], spec: TokenizerSpec, out: Path, *,
                        val_fraction: float, shard_tokens: int, workers: int,
-                       progress: Progress) -> tuple[dict, dict, dict, int]:
+                       progress: Progress, chat: bool = False) -> tuple[dict, dict, dict, int]:
     """Run ``tasks`` through the workers and write both splits. Returns the index's
     ``splits`` entry, documents and tokens per split, and the UTF-8 bytes of text.
+    ``chat``: the tasks are conversations (JSON lines) and a loss mask is written; the
+    conversations dropped are counted in ``splits[...]["dropped"]`` of the train split.
 
     ``workers``: N > 1 processes of one thread each; 1: this process, one thread; 0: this
     process with the tokenizers library's own thread pool (all cores)."""
     dtype = token_dtype(spec.vocab_size)
     frac = Fraction(val_fraction).limit_denominator(1_000_000)
-    writers = {s: ShardWriter(out, s, dtype, shard_tokens) for s in SPLITS}
-    initargs = (str(spec.json_path), spec.eos_id, dtype.name)
+    writers = {s: _SplitWriters(out, s, dtype, shard_tokens, chat) for s in SPLITS}
+    if chat:
+        from parallel3d.data.chat import encode_chat_task, init_chat_worker
+
+        init, pool_init, encode, initargs = (init_chat_worker, _pool_chat_init, encode_chat_task,
+                                             (str(spec.dir),))
+    else:
+        init, pool_init, encode = init_worker, _pool_worker_init, encode_task
+        initargs = (str(spec.json_path), spec.eos_id, dtype.name)
     with contextlib.ExitStack() as stack:
         if workers > 1:
             import multiprocessing as mp
 
             # spawn: the tokenizers library's thread pool does not survive fork.
-            pool = mp.get_context("spawn").Pool(workers, initializer=_pool_worker_init, initargs=initargs)
+            pool = mp.get_context("spawn").Pool(workers, initializer=pool_init, initargs=initargs)
             stack.callback(pool.join)
             stack.callback(pool.terminate)
-            results = _bounded_ordered(pool, tasks, window=2 * workers + 2)
+            results = _bounded_ordered(pool, tasks, window=2 * workers + 2, encode=encode)
         else:
             stack.enter_context(_tokenizer_threads(workers == 0))
-            init_worker(*initargs)
-            results = map(encode_task, tasks)
+            init(*initargs)
+            results = map(encode, tasks)
         stack.callback(progress.close)
-        n_docs, text_bytes = _write_results(results, writers, frac, progress)
+        dropped, text_bytes = _write_results(results, writers, frac, progress)
     splits = {s: w.close() for s, w in writers.items()}
+    if chat:
+        splits["train"]["dropped"] = dropped
     docs = {s: splits[s]["num_docs"] for s in SPLITS}
     tokens = {s: splits[s]["num_tokens"] for s in SPLITS}
     return splits, docs, tokens, text_bytes
 
 
-def _write_results(results, writers: dict[str, ShardWriter], frac: Fraction,
-                   progress: Progress) -> tuple[int, int]:
-    """Append each result, in order, to the split each of its documents belongs to."""
-    n_docs, text_bytes = 0, 0
-    for ids, lengths, nbytes, disk_bytes in results:
+class _SplitWriters:
+    """One split's files: the tokens, where each document starts, and (chat) the mask."""
+
+    def __init__(self, out: Path, split: str, dtype, shard_tokens: int, chat: bool):
+        self.tokens = ShardWriter(out, split, dtype, shard_tokens)
+        self.starts = ShardWriter(out, split, np.dtype("<i8"), shard_tokens, name=f"{split}-docs")
+        self.mask = ShardWriter(out, split, np.uint8, shard_tokens, name=f"{split}-mask") if chat else None
+        self.supervised = 0
+
+    def add(self, ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
+        first = self.tokens.num_tokens_added
+        self.starts.add(first + np.cumsum(lengths) - lengths, len(lengths))
+        self.tokens.add(ids, len(lengths))
+        if self.mask is not None:
+            self.mask.add(mask, 0)
+            self.supervised += int(mask.sum())
+
+    def close(self) -> dict:
+        entry = self.tokens.close()
+        entry["doc_shards"] = self.starts.close()["shards"]
+        if self.mask is not None:
+            entry["mask_shards"] = self.mask.close()["shards"]
+            entry["supervised_tokens"] = self.supervised
+        return entry
+
+
+def _write_results(results, writers: dict[str, _SplitWriters], frac: Fraction,
+                   progress: Progress) -> tuple[dict, int]:
+    """Append each result, in order, to the split each of its documents belongs to.
+    Returns the conversations dropped by reason (chat) and the bytes of text."""
+    n_docs, text_bytes, dropped = 0, 0, {}
+    for ids, lengths, nbytes, disk_bytes, *chat in results:
+        mask = chat[0] if chat else None
+        for why, n in (chat[1] if chat else {}).items():
+            dropped[why] = dropped.get(why, 0) + n
         is_val = _val_mask(n_docs, len(lengths), frac)
         token_is_val = np.repeat(is_val, lengths)
-        writers["train"].add(ids[~token_is_val], int((~is_val).sum()))
-        writers["val"].add(ids[token_is_val], int(is_val.sum()))
+        for split, docs, toks in (("train", ~is_val, ~token_is_val), ("val", is_val, token_is_val)):
+            writers[split].add(ids[toks], lengths[docs], None if mask is None else mask[toks])
         n_docs += len(lengths)
         text_bytes += nbytes
         progress.update(disk_bytes, len(ids))
-    return n_docs, text_bytes
+    return dropped, text_bytes
 
 
 def copy_tokenizer(spec: TokenizerSpec, out: Path) -> None:
@@ -240,7 +220,7 @@ def copy_tokenizer(spec: TokenizerSpec, out: Path) -> None:
     if dst.resolve() == spec.dir.resolve():
         return
     shutil.copyfile(spec.json_path, dst / "tokenizer.json")
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    for name in ("tokenizer_config.json", "special_tokens_map.json", *CHAT_TEMPLATE_FILES):
         if (spec.dir / name).is_file():
             shutil.copyfile(spec.dir / name, dst / name)
 
@@ -265,14 +245,36 @@ def check_options(val_fraction: float, shard_tokens: int, workers: int) -> None:
         raise UserError(f"--workers must be at least 1, got {workers}")
 
 
+def _check_chat_inputs(files: list[Path], tokenizer_dir: Path, workers: int) -> None:
+    """--format chat: JSON lines only, and a tokenizer with a chat template (checked here,
+    before worker processes start, so that the error is one line rather than a pool of
+    workers failing to start)."""
+    from parallel3d.data.sources import _kind
+
+    for f in files:
+        if _kind(f) != "jsonl":
+            raise UserError(f"--format chat reads JSON lines (.jsonl, .json, optionally .gz): '{f}' "
+                            "is not; give conversation files, or use --format text")
+    if not has_chat_template(tokenizer_dir):
+        raise UserError(f"--format chat needs a chat template, and the tokenizer in '{tokenizer_dir}' "
+                        f"has none ({tokenizer_dir / 'tokenizer_config.json'} has no chat_template): "
+                        "use the model's own tokenizer folder, or --format text")
+    if workers > 1:
+        ChatRenderer(tokenizer_dir)  # transformers can load it
+
+
 def prepare_data(inputs: list[str], tokenizer: str | Path, out: str | Path, *,
                  text_key: str = "text", eos_token: str | None = None, workers: int | None = None,
                  shard_tokens: int = DEFAULT_SHARD_TOKENS, val_fraction: float = 0.0,
                  overwrite: bool = False, progress: bool = True,
-                 chunk_bytes: int = CHUNK_BYTES) -> PrepareReport:
-    """Tokenize ``inputs`` with the tokenizer in ``tokenizer`` into a dataset at ``out``."""
+                 chunk_bytes: int = CHUNK_BYTES, format: str = "text") -> PrepareReport:
+    """Tokenize ``inputs`` with the tokenizer in ``tokenizer`` into a dataset at ``out``
+    (``format`` "text": documents; "chat": conversations with their loss mask). A tokenizer
+    folder with only ``tokenizer.model`` is converted by transformers first."""
     workers = (os.cpu_count() or 1) if workers is None else workers
     check_options(val_fraction, shard_tokens, workers)
+    if format not in ("text", "chat"):
+        raise UserError(f"--format '{format}' is not supported: use text or chat")
     if not inputs:
         raise UserError("no inputs: give files, directories or glob patterns")
     out = Path(out)
@@ -282,20 +284,36 @@ def prepare_data(inputs: list[str], tokenizer: str | Path, out: str | Path, *,
     files = [f for f in expand_inputs(inputs) if out.resolve() not in f.resolve().parents]
     if not files:
         raise UserError(f"the inputs hold no files outside --out '{out}'")
-    spec = load_tokenizer(tokenizer, eos_token)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--out '{out}' cannot be created: {e.strerror}") from None
-    _clear_old(out, overwrite)
+    with tempfile.TemporaryDirectory(prefix="p3d-tokenizer-") as scratch:
+        spec = load_tokenizer(tokenizer_folder(tokenizer, Path(scratch)), eos_token)
+        if format == "chat":
+            _check_chat_inputs(files, spec.dir, workers)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"--out '{out}' cannot be created: {e.strerror}") from None
+        _clear_old(out, overwrite)
+        return _prepare(inputs, files, spec, out, text_key=text_key, workers=workers,
+                        shard_tokens=shard_tokens, val_fraction=val_fraction, progress=progress,
+                        chunk_bytes=chunk_bytes, chat=format == "chat")
+
+
+def _prepare(inputs, files, spec, out: Path, *, text_key, workers, shard_tokens, val_fraction,
+             progress, chunk_bytes, chat) -> PrepareReport:
     t0 = time.perf_counter()
     disk_total = sum(f.stat().st_size for f in files)
     splits, docs, tokens, text_bytes = tokenize_to_shards(
         input_tasks(files, text_key, chunk_bytes), spec, out, val_fraction=val_fraction,
-        shard_tokens=shard_tokens, workers=workers, progress=Progress(disk_total, progress))
+        shard_tokens=shard_tokens, workers=workers, progress=Progress(disk_total, progress), chat=chat)
     n_docs = sum(docs.values())
+    dropped = splits["train"].get("dropped", {})
+    plural = "s" * (len(files) != 1)
+    if n_docs == 0 and chat:
+        reasons = ", ".join(f"{n} {why}" for why, n in sorted(dropped.items())) or "none found"
+        raise UserError(f"the inputs ({len(files)} file{plural}) hold no conversation to train on: "
+                        f"every one was dropped ({reasons})")
     if n_docs == 0:
-        raise UserError(f"the inputs ({len(files)} file{'s' * (len(files) != 1)}) hold no documents: "
+        raise UserError(f"the inputs ({len(files)} file{plural}) hold no documents: "
                         f"every one is empty or has an empty '{text_key}'")
     if val_fraction > 0 and docs["val"] == 0:
         raise UserError(f"--val-fraction {val_fraction} of {n_docs} documents holds out none: raise it "
@@ -304,7 +322,8 @@ def prepare_data(inputs: list[str], tokenizer: str | Path, out: str | Path, *,
     write_index(out, dtype=token_dtype(spec.vocab_size), eos_id=spec.eos_id,
                 vocab_size=spec.vocab_size, tokenizer_sha256=spec.sha256, splits=splits,
                 source={"inputs": [str(i) for i in inputs], "num_files": len(files),
-                        "text_key": text_key, "val_fraction": val_fraction,
-                        "eos_token": spec.eos_token})
+                        "format": "chat" if chat else "text", "text_key": text_key,
+                        "val_fraction": val_fraction, "eos_token": spec.eos_token}, loss_mask=chat)
+    supervised = sum(splits[s].get("supervised_tokens", 0) for s in SPLITS)
     return PrepareReport(out, len(files), disk_total, text_bytes, time.perf_counter() - t0, workers,
-                         docs, tokens, {s: len(splits[s]["shards"]) for s in SPLITS})
+                         docs, tokens, {s: len(splits[s]["shards"]) for s in SPLITS}, dropped, supervised)

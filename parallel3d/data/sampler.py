@@ -32,6 +32,10 @@ class TokenWindows:
         if self.num_samples < 1:
             raise UserError(f"{what} of {len(tokens)} tokens is shorter than train.seq_len {seq_len} + 1")
 
+    def span(self, i: int) -> tuple[int, int]:
+        """(start, length) of the stretch of the token stream sample ``i`` reads."""
+        return i * self.seq_len, self.seq_len + 1
+
     def rows(self, indices: list[int]) -> np.ndarray:
         """(len(indices), S + 1) int64 token ids."""
         S = self.seq_len
@@ -85,6 +89,11 @@ class GlobalBatchSampler:
         idx = [self._sample_at(start + i) for i in range(per_rank)]
         m = self.micro_batch
         return [idx[i: i + m] for i in range(0, per_rank, m)]
+
+    def global_indices_at(self, position: int) -> list[int]:
+        """Every sample of the global batch starting at ``position``, all dp ranks' (what
+        each rank reads to count the batch's supervised targets)."""
+        return [self._sample_at(position + i) for i in range(self.global_batch)]
 
     def step_indices(self, step: int) -> list[list[int]]:
         """This rank's sample indices for ``step`` counted from position 0."""

@@ -98,7 +98,8 @@ def _parquet_tasks(path: Path, text_key: str) -> Iterator[tuple]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"reading '{path}' needs pyarrow: pip install parallel3d[data]") from None
+        raise UserError(f"reading '{path}' needs pyarrow: pip install pyarrow "
+                        '(or pip install -e ".[data]" in the checkout)') from None
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad file

@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 import uuid
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from parallel3d.data.format import INDEX, PreparedDataset, open_dataset, token_d
 from parallel3d.errors import UserError
 
 EOS = "<|eos|>"
-FORMAT_KEY = 2  # bump when the corpus or its tokenization changes
+FORMAT_KEY = 3  # bump when the corpus or its tokenization changes
 
 
 def stdlib_files() -> list[Path]:
@@ -75,8 +76,27 @@ def cache_root(cfg: DataConfig) -> Path:
     return Path(cfg.cache_dir or os.path.join(os.path.expanduser("~"), ".cache", "parallel3d"))
 
 
-def prepare_stdlib(cfg: DataConfig) -> PreparedDataset:
-    """Build (or find in the cache) the stdlib dataset for ``cfg``."""
+def cache_path(cfg: DataConfig) -> Path:
+    """Where the stdlib dataset of ``cfg`` is (or will be) cached."""
+    return cache_root(cfg) / f"stdlib-{stdlib_corpus_key(cfg)}"
+
+
+def describe(cfg: DataConfig) -> str:
+    """One line on the stdlib corpus ``cfg`` names, and whether it is built yet."""
+    path = cache_path(cfg)
+    state = f"cached in {path}" if (path / INDEX).is_file() else f"to be built once into {path}"
+    return (f"stdlib corpus: the first {cfg.max_bytes / 1e6:.1f} MB of this Python's standard library "
+            f"({sysconfig.get_paths()['stdlib']}), byte-level BPE of {cfg.vocab_size} tokens, "
+            f"{cfg.val_fraction:.0%} of the files held out; {state}")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)  # progress, like prepare-data's: stdout stays the run's
+
+
+def prepare_stdlib(cfg: DataConfig, out=_say) -> PreparedDataset:
+    """Build (or find in the cache) the stdlib dataset for ``cfg``; ``out`` gets a line as
+    the build starts and one when it is done (a build takes seconds, once)."""
     from parallel3d.data.prepare import (Progress, check_options, load_tokenizer,
                                          tokenize_to_shards)
 
@@ -88,10 +108,13 @@ def prepare_stdlib(cfg: DataConfig) -> PreparedDataset:
                         "(needs at least 257: 256 bytes plus EOS)")
     check_options(cfg.val_fraction, 1, 1)
     root = cache_root(cfg)
-    out = root / f"stdlib-{stdlib_corpus_key(cfg)}"
-    if (out / INDEX).is_file():
-        return open_dataset(out)
+    dest = cache_path(cfg)
+    if (dest / INDEX).is_file():
+        return open_dataset(dest)
     tmp = root / f".stdlib-{stdlib_corpus_key(cfg)}.tmp-{uuid.uuid4().hex}"
+    t0 = time.perf_counter()
+    out(f"building the stdlib corpus: {cfg.max_bytes / 1e6:.1f} MB of Python sources, a byte-level BPE of "
+        f"{cfg.vocab_size} tokens, then tokenizing (once; cached in {dest}) ...")
     try:
         docs = read_stdlib(cfg.max_bytes)
         spec = load_tokenizer(train_bpe_tokenizer(docs, cfg.vocab_size, tmp / "tokenizer"))
@@ -104,10 +127,12 @@ def prepare_stdlib(cfg: DataConfig) -> PreparedDataset:
                     source={"stdlib": sysconfig.get_paths()["stdlib"], "max_bytes": cfg.max_bytes,
                             "val_fraction": cfg.val_fraction})
         try:
-            os.rename(tmp, out)
+            os.rename(tmp, dest)
         except OSError:
-            if not (out / INDEX).is_file():  # not "another process finished first"
+            if not (dest / INDEX).is_file():  # not "another process finished first"
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return open_dataset(out)
+    out(f"stdlib corpus built in {time.perf_counter() - t0:.1f} s: {tokens['train']:,} training and "
+        f"{tokens['val']:,} held-out tokens from {len(docs):,} files")
+    return open_dataset(dest)

@@ -2,7 +2,10 @@
 
 The folder holds ``tokenizer.json`` (read with the ``tokenizers`` library; nothing from
 the folder is executed) and names its EOS token in ``tokenizer_config.json`` or
-``special_tokens_map.json``, unless the caller names it.
+``special_tokens_map.json``, unless the caller names it. A folder that ships only a
+SentencePiece ``tokenizer.model`` (older Llama and Mistral releases) is converted to
+``tokenizer.json`` by transformers (:func:`tokenizer_folder`; needs the sentencepiece
+package), and the converted file is what the dataset keeps and records.
 """
 
 from __future__ import annotations
@@ -31,6 +34,31 @@ def _special_token(value) -> str | None:
     if isinstance(value, dict):  # {"content": "</s>", "lstrip": false, ...}
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+def tokenizer_folder(path: str | Path, scratch: Path) -> Path:
+    """``path``, or, for a folder holding ``tokenizer.model`` but no ``tokenizer.json``, the
+    folder ``scratch`` into which transformers wrote its conversion (the fast tokenizer's
+    ``tokenizer.json`` and ``tokenizer_config.json``, chat template included)."""
+    path = Path(path)
+    if path.is_file() or (path / "tokenizer.json").is_file() or not (path / "tokenizer.model").is_file():
+        return path
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise UserError(f"tokenizer folder '{path}' has only tokenizer.model: converting it needs "
+                        'transformers and sentencepiece (pip install -e ".[hf]" in the checkout)') from None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))  # local files; no remote code
+        tok.save_pretrained(str(scratch))
+    except Exception as e:  # noqa: BLE001 - transformers and sentencepiece raise many types
+        raise UserError(f"tokenizer folder '{path}' has only tokenizer.model and transformers cannot "
+                        f"convert it: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    if not (scratch / "tokenizer.json").is_file():
+        raise UserError(f"transformers did not convert '{path / 'tokenizer.model'}' to a fast "
+                        "tokenizer (tokenizer.json): install sentencepiece, or save the folder's "
+                        "tokenizer with AutoTokenizer.save_pretrained")
+    return scratch
 
 
 def load_tokenizer(path: str | Path, eos_token: str | None = None) -> TokenizerSpec:
@@ -81,6 +109,13 @@ def _vocab(json_path: Path) -> dict[str, int]:
         raise UserError(f"tokenizer '{json_path}' cannot be read: {str(e).splitlines()[0]}") from None
 
 
+def _model_tokenizer_json(model_dir: Path, scratch: Path) -> Path | None:
+    """The model folder's tokenizer.json, or its conversion from tokenizer.model; None if
+    it has neither."""
+    folder = tokenizer_folder(model_dir, scratch)
+    return folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else None
+
+
 def check_same_tokenizer(dataset, model_dir: str | Path) -> None:
     """Refuse a dataset whose token ids mean other tokens than the model's tokenizer's.
 
@@ -89,11 +124,18 @@ def check_same_tokenizer(dataset, model_dir: str | Path) -> None:
     tokenizer.json the data was made with and keeps a copy of it: the same file passes at
     once, another file passes if it maps every token to the same id (a re-serialised copy).
     A model folder without tokenizer.json cannot be checked here (only the vocabulary
-    size is, by the trainer)."""
+    size is, by the trainer). A model folder with only tokenizer.model is converted as
+    prepare-data converts it, and the ids compared."""
+    import tempfile
+
     model_dir = Path(model_dir)
-    model_json = model_dir / "tokenizer.json"
-    if not model_json.is_file():
-        return
+    with tempfile.TemporaryDirectory(prefix="p3d-tokenizer-") as scratch:
+        model_json = _model_tokenizer_json(model_dir, Path(scratch))
+        if model_json is not None:
+            _check_same_ids(dataset, model_dir, model_json)
+
+
+def _check_same_ids(dataset, model_dir: Path, model_json: Path) -> None:
     recorded = dataset.index.get("tokenizer", {})
     if hashlib.sha256(model_json.read_bytes()).hexdigest() == recorded.get("sha256"):
         return

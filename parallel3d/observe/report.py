@@ -1,10 +1,21 @@
 """``parallel3d report RUN_DIR``: a PNG of a finished (or running) run and a text summary.
 
-Reads ``RUN_DIR/metrics.jsonl`` and writes ``RUN_DIR/report.png`` with four panels: the
-loss curve, throughput over time, the step-time breakdown per step (stacked, the mean over
-ranks) and the per-rank spread of busy time (the part of each step a rank was not waiting
-on another one; see :mod:`parallel3d.observe.stats`). Needs matplotlib
-(``pip install parallel3d[report]``).
+Reads ``RUN_DIR/metrics.jsonl`` (and ``config.json`` beside it, for the title and the
+ranks' coordinates) and writes ``RUN_DIR/report.png``: a title naming the run, its layout
+and its model, and four panels, every x-axis in steps:
+
+* loss: the training loss raw (thin) and smoothed (a trailing mean), and the held-out
+  loss at each evaluation;
+* throughput: tokens/s raw and smoothed, and MFU on a second axis when the run had a
+  known GPU peak;
+* the step-time breakdown per step, stacked (means over ranks, see
+  :mod:`parallel3d.observe.stats`);
+* busy time per rank (the part of each step a rank was not waiting on another), one box
+  per rank labelled with its tp/pp/dp coordinates.
+
+Legends sit beside their panels, never over the curves. :func:`build_figure` returns the
+``matplotlib`` figure itself (no pyplot state), so tests read its axes. Needs matplotlib:
+``pip install -e ".[report]"`` in the checkout, or ``pip install matplotlib``.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from parallel3d.observe.stats import BREAKDOWN
 _LABELS = {"data_wait_s": "data wait", "forward_s": "forward", "backward_s": "backward",
            "optimizer_s": "optimizer", "comm_exposed_s": "exposed comm", "bubble_s": "pipeline bubble",
            "other_s": "other"}
-
+INSTALL_HINT = 'pip install -e ".[report]" in the checkout, or pip install matplotlib'
 
 _REQUIRED = ("step", "loss", "tokens_per_s", "step_time_s")  # what the summary and plots read
 
@@ -52,9 +63,19 @@ def load_metrics(run_dir: Path) -> list[dict]:
     return records
 
 
+def load_job(run_dir: Path) -> dict | None:
+    """``RUN_DIR/config.json`` as a dict, or None when absent or unreadable (the report
+    then names ranks by number only)."""
+    try:
+        job = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return job if isinstance(job, dict) and isinstance(job.get("parallel"), dict) else None
+
+
 def summary(records: list[dict]) -> str:
-    """A few lines: steps, final loss, median throughput and step time, the median
-    breakdown's shares, and the slowest rank."""
+    """A few lines: steps, final loss, held-out loss, median throughput and step time, the
+    median breakdown's shares, and the slowest rank."""
     last = records[-1]
     # Step 1 includes one-off work (allocations, first collectives): medians leave it out.
     steady = records[1:] or records
@@ -62,6 +83,11 @@ def summary(records: list[dict]) -> str:
     step = med("step_time_s")
     lines = [f"steps {last['step']}  final loss {last['loss']:.4f}  median {med('tokens_per_s'):,.0f} tok/s  "
              f"median step {step * 1e3:.1f} ms"]
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if evals:
+        best = min(evals, key=lambda e: e[1])
+        lines.append(f"held-out loss {evals[-1][1]:.4f} at step {evals[-1][0]} (best {best[1]:.4f} at step "
+                     f"{best[0]}, {len(evals)} evaluations)")
     if "mfu" in last:
         lines.append(f"median MFU {med('mfu') * 100:.1f}%  ({med('tflops_per_device'):.1f} TFLOP/s per device)")
     elif "tflops_per_device" in last:
@@ -70,60 +96,181 @@ def summary(records: list[dict]) -> str:
         total = sum(med(k) for k in BREAKDOWN) or 1.0
         lines.append("breakdown (median, share): " + ", ".join(
             f"{_LABELS[k]} {med(k) / total * 100:.0f}%" for k in BREAKDOWN))
-    if "rank_busy_s" in last:
-        per_rank = [statistics.median(r["rank_busy_s"][i] for r in steady) for i in range(len(last["rank_busy_s"]))]
-        slow = max(range(len(per_rank)), key=per_rank.__getitem__)
-        lines.append(f"slowest rank {slow}: median busy {per_rank[slow] * 1e3:.1f} ms vs median rank "
-                     f"{statistics.median(per_rank) * 1e3:.1f} ms")
+    if "max_busy_s" in last:
+        slow = statistics.mode(r["max_busy_rank"]["rank"] for r in steady)
+        c = next(r["max_busy_rank"] for r in steady if r["max_busy_rank"]["rank"] == slow)
+        lines.append(f"slowest rank {slow} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}), most often: "
+                     f"median busy of the slowest rank {med('max_busy_s') * 1e3:.1f} ms, of the "
+                     f"fastest {med('min_busy_s') * 1e3:.1f} ms")
     flagged = sorted({s["rank"] for r in records for s in r.get("stragglers", [])})
     if flagged:
         lines.append(f"stragglers flagged: ranks {', '.join(map(str, flagged))}")
     if "peak_mem_bytes" in last:
-        lines.append(f"peak memory {max(r['peak_mem_bytes'] for r in records) / 2**30:.2f} GiB "
+        lines.append(f"peak memory {max(r.get('peak_mem_bytes', 0) for r in records) / 2**30:.2f} GiB "
                      f"({last.get('mem_source', '')}, max over ranks)")
     return "\n".join(lines)
 
 
-def plot(records: list[dict], out: Path) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise UserError("parallel3d report needs matplotlib: pip install matplotlib "
-                        "(or pip install parallel3d[report])") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def load_rank_tables(run_dir: Path) -> list[dict]:
+    """The per-rank rows of each straggler check (``ranks.jsonl``), if the run wrote any."""
+    path = run_dir / "ranks.jsonl"
+    if not path.is_file():
+        return []
+    tables = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            tables.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # cut short by a kill
+    return tables
 
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def smoothing_window(n: int) -> int:
+    """Steps in a trailing mean: about a twentieth of the run, at least 1."""
+    return max(1, round(n / 20))
+
+
+def _busy_rows(rank_tables: list[dict]) -> list[list[float]]:
+    """Per rank, its mean busy seconds per step at each straggler check (``ranks.jsonl``)."""
+    if not rank_tables:
+        return []
+    n = len(rank_tables[0]["ranks"])
+    return [[t["ranks"][i]["busy_s"] for t in rank_tables if len(t["ranks"]) == n] for i in range(n)]
+
+
+def rank_labels(n: int, job: dict | None) -> list[str]:
+    """``"3\\ntp1 pp0\\ndp1"`` per rank, from the job's layout (plain numbers without one)."""
+    from parallel3d.topology import RankGrid
+
+    par = (job or {}).get("parallel", {})
+    tp, pp, dp = par.get("tp", 0), par.get("pp", 0), par.get("dp", 0)
+    if not (tp and pp and dp) or tp * pp * dp != n:
+        return [str(r) for r in range(n)]
+    grid = RankGrid(tp=tp, pp=pp, dp=dp)
+    return [f"{r}\ntp{c['tp']} pp{c['pp']}\ndp{c['dp']}" for r, c in ((r, grid.coords(r)) for r in range(n))]
+
+
+def title(records: list[dict], job: dict | None, name: str) -> str:
+    last = records[-1]
+    head = f"{name}: {len(records)} steps (to step {last['step']}), final loss {last['loss']:.4f}"
+    evals = [r["val_loss"] for r in records if "val_loss" in r]
+    if evals:
+        head += f", held-out {evals[-1]:.4f} (best {min(evals):.4f})"
+    if not job:
+        return head
+    par, model, train = job["parallel"], job.get("model", {}), job.get("train", {})
+    shape = ", ".join(f"{v} {k}" for k, v in (("layers", model.get("n_layers")), ("dim", model.get("dim")),
+                                                ("vocab", model.get("vocab_size"))) if v)
+    source = model.get("hf_checkpoint") or f"preset {model.get('preset', '?')}"
+    layout = (f"tp {par['tp']} x pp {par['pp']} x dp {par['dp']} ({par['tp'] * par['pp'] * par['dp']} ranks"
+              f"{', ' + par['schedule'] if par.get('pp', 1) > 1 else ''}, zero {par.get('zero', 0)})")
+    batch = f"{train.get('global_batch')} x {train.get('seq_len')} tokens a step, {train.get('dtype', '')}"
+    return f"{head}\nLlama {source} ({shape}) on {layout}; {batch}"
+
+
+def _legend_beside(ax) -> None:
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False, borderaxespad=0)
+
+
+def _raw_and_smoothed(ax, steps: list[int], values: list[float], window: int, color: str, label: str) -> None:
+    """The raw series thin and faint under its trailing mean; with a window of 1 step
+    (short runs) the raw series alone."""
+    if window == 1:
+        ax.plot(steps, values, color=color, linewidth=1.5, label=label)
+        return
+    ax.plot(steps, values, color=color, alpha=0.3, linewidth=0.8, label=f"{label}, per step")
+    ax.plot(steps, smooth(values, window), color=color, linewidth=1.8, label=f"{label}, mean of {window} steps")
+
+
+def _loss_panel(ax, records: list[dict], window: int) -> None:
     steps = [r["step"] for r in records]
-    fig, ax = plt.subplots(2, 2, figsize=(12, 8), dpi=100)
-    ax[0, 0].plot(steps, [r["loss"] for r in records], color="tab:blue")
-    ax[0, 0].set(title="loss", xlabel="step")
-    elapsed = []
-    t = 0.0
-    for r in records:
-        t += r["step_time_s"]
-        elapsed.append(t)
-    ax[0, 1].plot(elapsed, [r["tokens_per_s"] for r in records], color="tab:green")
-    ax[0, 1].set(title="throughput (tokens/s)", xlabel="training time (s, sum of step times)")
+    _raw_and_smoothed(ax, steps, [r["loss"] for r in records], window, "tab:blue", "training loss")
+    evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if evals:
+        ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", color="tab:red", markersize=4,
+                label="held-out loss")
+    ax.set(title="loss", xlabel="step", ylabel="cross-entropy (nats)")
+    _legend_beside(ax)
+
+
+def _throughput_panel(ax, records: list[dict], window: int) -> None:
+    steps = [r["step"] for r in records]
+    _raw_and_smoothed(ax, steps, [r["tokens_per_s"] for r in records], window, "tab:green", "tokens/s")
+    ax.set(title="throughput", xlabel="step", ylabel="tokens/s")
+    handles, labels = ax.get_legend_handles_labels()
+    if all("mfu" in r for r in records):
+        twin = ax.twinx()
+        (line,) = twin.plot(steps, [r["mfu"] * 100 for r in records], color="tab:purple", linewidth=1.0,
+                            label="MFU (%)")
+        twin.set_ylabel("MFU (%)")
+        handles.append(line)
+        labels.append(line.get_label())
+        ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.12, 1.0), fontsize=8, frameon=False,
+                  borderaxespad=0)
+    else:
+        _legend_beside(ax)
+
+
+def _breakdown_panel(ax, records: list[dict]) -> None:
     if all(k in records[0] for k in BREAKDOWN):
-        ax[1, 0].stackplot(steps, *[[r[k] * 1e3 for r in records] for k in BREAKDOWN],
-                           labels=[_LABELS[k] for k in BREAKDOWN])
-        ax[1, 0].legend(loc="upper right", fontsize=8)
-    ax[1, 0].set(title="step-time breakdown (mean over ranks, ms)", xlabel="step")
-    if "rank_busy_s" in records[0]:
-        n = len(records[0]["rank_busy_s"])
-        data = [[r["rank_busy_s"][i] * 1e3 for r in records[1:] or records] for i in range(n)]
-        ax[1, 1].boxplot(data, positions=list(range(n)))
-    ax[1, 1].set(title="per-rank busy time per step (ms, step 1 left out)", xlabel="rank")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+        ax.stackplot([r["step"] for r in records], *[[r[k] * 1e3 for r in records] for k in BREAKDOWN],
+                     labels=[_LABELS[k] for k in BREAKDOWN])
+        _legend_beside(ax)
+    ax.set(title="step-time breakdown (mean over ranks)", xlabel="step", ylabel="ms")
+
+
+def _ranks_panel(ax, rank_tables: list[dict], job: dict | None) -> None:
+    busy = _busy_rows(rank_tables)
+    ax.set(title="busy time per rank (mean per step between straggler checks, waits left out)",
+           xlabel="rank", ylabel="ms")
+    if not busy:
+        ax.text(0.5, 0.5, "no per-rank rows (ranks.jsonl, written at straggler checks)", ha="center",
+                va="center", transform=ax.transAxes)
+        return
+    labels = rank_labels(len(busy), job)
+    ax.boxplot([[v * 1e3 for v in col] for col in busy], positions=list(range(len(busy))), widths=0.6)
+    step = max(1, len(busy) // 16)  # at most about 16 labels
+    ax.set_xticks(list(range(0, len(busy), step)), [labels[i] for i in range(0, len(busy), step)], fontsize=7)
+
+
+def build_figure(records: list[dict], job: dict | None = None, name: str = "run", rank_tables: list[dict] = ()):
+    """The report as a ``matplotlib.figure.Figure`` (see the module docstring)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError(f"parallel3d report needs matplotlib: {INSTALL_HINT}") from None
+    window = smoothing_window(len(records))
+    fig = Figure(figsize=(15, 9), dpi=100, layout="constrained")
+    ax = fig.subplots(2, 2)
+    fig.suptitle(title(records, job, name), fontsize=11)
+    _loss_panel(ax[0, 0], records, window)
+    _throughput_panel(ax[0, 1], records, window)
+    _breakdown_panel(ax[1, 0], records)
+    _ranks_panel(ax[1, 1], list(rank_tables), job)
+    return fig
+
+
+def plot(records: list[dict], out: Path, job: dict | None = None, name: str = "run",
+         rank_tables: list[dict] = ()) -> None:
+    build_figure(records, job, name, rank_tables).savefig(out)
 
 
 def write_report(run_dir: str | Path, out=print) -> Path:
     run_dir = Path(run_dir)
     records = load_metrics(run_dir)
     png = run_dir / "report.png"
-    plot(records, png)
+    plot(records, png, load_job(run_dir), run_dir.name or str(run_dir), load_rank_tables(run_dir))
     out(summary(records))
     out(f"wrote {png}")
     return png

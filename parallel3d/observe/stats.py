@@ -43,7 +43,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from parallel3d.distributed import all_reduce
 from parallel3d.flops import mfu, model_flops_per_token
 from parallel3d.planner.hardware import GPU, GPUS
 
@@ -106,17 +105,50 @@ def find_stragglers(busy: list[float], factor: float, peers: list[list[int]] | N
     return sorted(found)
 
 
+# Per-rank figures whose maximum (with the rank holding it) and minimum every record
+# carries, and the quantum each is rounded to in the step's collective (see _Extremes).
+EXTREMES = {"step_time_s": 1e-6, "busy_s": 1e-6, "peak_mem_bytes": 1024.0}
+
+
+class _Extremes:
+    """Maximum (with its rank) and minimum of per-rank values, by a MAX all-reduce of
+    fixed size: rank r contributes ``q * world + r`` and ``-q`` for its value rounded to
+    ``q`` quanta, so the maximum key names the largest value and its rank (exact in fp64
+    while ``q * world < 2^53``: 100 days in microseconds at 8192 ranks)."""
+
+    def __init__(self, world: int, rank: int):
+        self.world, self.rank = world, rank
+
+    def encode(self, values: dict[str, float]) -> list[float]:
+        out = []
+        for key, unit in EXTREMES.items():
+            q = float(round(values[key] / unit))
+            out += [q * self.world + self.rank, -q]
+        return out
+
+    def decode(self, maxes: list[float]) -> dict:
+        out = {}
+        for k, (key, unit) in enumerate(EXTREMES.items()):
+            top, low = int(maxes[2 * k]), -maxes[2 * k + 1]
+            out[key] = ((top // self.world) * unit, top % self.world, low * unit)
+        return out
+
+
 class StepObserver:
     """Turns a finished step's timeline into metrics.
 
-    A step's per-rank figures (:meth:`row`) travel to every rank in the *next* step's one
-    collective: the trainer sums a vector of ``world x ROW`` slots, each rank's row in its
-    own slot, together with that step's gradient norm and loss (:meth:`slots`). So the
-    figures cost no collective of their own, and a record is complete one step after it
-    was made (:meth:`per_rank`); :meth:`gather` sums the slots alone for the last step
-    of a run."""
+    A step's per-rank figures (:meth:`row`) travel in the *next* step's one collective, as
+    a payload of fixed size whatever the world (:meth:`payload`): the sums of the
+    breakdown fields and of the bubble (means over ranks), and the maximum (with its rank
+    and coordinates) and minimum of the step time, the busy time and the peak memory. So
+    the figures cost no collective of their own, and a record is complete one step after
+    it was made (:meth:`summary`); :meth:`gather` reduces the payload alone for the last
+    step of a run. Per-rank rows travel only every ``straggler_interval`` steps, gathered
+    to the rank that logs (:meth:`check_stragglers`)."""
 
     ROW = 1 + len(BREAKDOWN) + 2  # step time, the breakdown, bubble, peak memory
+    SUMS = len(BREAKDOWN) + 1  # the breakdown fields and the bubble, summed over ranks
+    MAXES = 2 * len(EXTREMES)
 
     def __init__(self, cfg, topo, device: torch.device, model_cfg):
         train = cfg.train
@@ -126,8 +158,10 @@ class StepObserver:
         self.obs = cfg.observability
         self.gpu = gpu_of(device)
         self.hosts: list[str] | None = None
-        self._busy_sum: list[float] | None = None  # per rank, since the last straggler check
-        self._busy_steps = 0
+        self._hosts_pending = True
+        self._extremes = _Extremes(topo.world_size, topo.rank)
+        self._own = [0.0, 0.0, 0.0]  # this rank's busy and step time summed since the last check, peak memory
+        self._own_steps = 0
         grid = topo.grid
         stages = [[r for r in range(topo.world_size) if grid.coords(r)["pp"] == p] for p in range(topo.pp)]
         self.peers = stages if len(stages[0]) > 1 else None  # ranks that run the same layers
@@ -148,60 +182,91 @@ class StepObserver:
         own = step_breakdown(spans, step_time)
         return [step_time, *own.values(), bubble, float(peak_memory_bytes(self.device)[0])]
 
-    def slots(self, row: list[float] | None) -> torch.Tensor:
-        """``world x ROW`` fp64 zeros with ``row`` in this rank's slot (all zeros without
-        one): summed over the world, every rank's row."""
-        out = torch.zeros((self.topo.world_size, self.ROW), dtype=torch.float64)
-        if row is not None:
-            out[self.topo.rank] = torch.tensor(row, dtype=torch.float64)
-        return out.view(-1).to(self.device)
+    @staticmethod
+    def busy(row: list[float]) -> float:
+        """A rank's busy time: its step time less its waits for other ranks."""
+        return row[0] - row[1 + BREAKDOWN.index("comm_exposed_s")] - row[1 + BREAKDOWN.index("bubble_s")]
 
-    def gather(self, row: list[float]) -> list[list[float]]:
-        """Every rank's row by a collective of its own (the last step of a run)."""
-        return self.rows(all_reduce(self.slots(row), self.topo.world_group))
+    def payload(self, row: list[float] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sums, maxes): fp64 vectors of :data:`SUMS` and :data:`MAXES` slots on the
+        device, to be summed and max-reduced over the world (zeros without a row)."""
+        if row is None:
+            return (torch.zeros(self.SUMS, dtype=torch.float64, device=self.device),
+                    torch.zeros(self.MAXES, dtype=torch.float64, device=self.device))
+        self._own = [self._own[0] + self.busy(row), self._own[1] + row[0], max(self._own[2], row[-1])]
+        self._own_steps += 1
+        maxes = self._extremes.encode({"step_time_s": row[0], "busy_s": self.busy(row),
+                                       "peak_mem_bytes": row[-1]})
+        return (torch.tensor(row[1:1 + self.SUMS], dtype=torch.float64).to(self.device),
+                torch.tensor(maxes, dtype=torch.float64).to(self.device))
 
-    def rows(self, sums: torch.Tensor) -> list[list[float]]:
-        return sums.view(self.topo.world_size, self.ROW).tolist()
+    def gather(self, row: list[float]) -> dict:
+        """The summary of ``row``'s step by a collective of its own (the last step of a
+        run); the same fields as :meth:`summary`."""
+        from parallel3d.distributed import all_reduce_sum_max
 
-    def per_rank(self, step: int, rows: list[list[float]]) -> dict:
-        """The fields of step ``step``'s record made from every rank's row: the breakdown
-        and bubble as means over ranks, per-rank step and busy times, peak memory, and
-        (every ``straggler_interval`` steps) the stragglers."""
-        n = len(rows)
-        record = {k: sum(r[1 + i] for r in rows) / n for i, k in enumerate(BREAKDOWN)}
-        record["bubble_fraction"] = sum(r[-2] for r in rows) / n
-        record["rank_step_time_s"] = [r[0] for r in rows]
-        busy = [r[0] - r[1 + BREAKDOWN.index("comm_exposed_s")] - r[1 + BREAKDOWN.index("bubble_s")]
-                for r in rows]
-        record["rank_busy_s"] = busy
-        record["peak_mem_bytes"] = int(max(r[-1] for r in rows))
-        record["rank_peak_mem_bytes"] = [int(r[-1]) for r in rows]
+        sums, maxes = self.payload(row)
+        all_reduce_sum_max(sums, maxes, self.topo.world_group)
+        return self.summary(sums, maxes)
+
+    def summary(self, sums: torch.Tensor, maxes: torch.Tensor) -> dict:
+        """The fields of a record made from the reduced payload: the breakdown and the
+        bubble as means over ranks; the largest step time, busy time and peak memory with
+        the rank (and its coordinates) that had it, and the smallest."""
+        n = self.topo.world_size
+        sums, maxes = sums.tolist(), maxes.tolist()
+        record = {k: sums[i] / n for i, k in enumerate(BREAKDOWN)}
+        record["bubble_fraction"] = sums[len(BREAKDOWN)] / n
+        for key, (top, rank, low) in self._extremes.decode(maxes).items():
+            name = key.removesuffix("_s").removesuffix("_bytes")
+            record[f"max_{key}" if key != "peak_mem_bytes" else key] = top
+            record[f"min_{key}"] = low
+            record[f"max_{name}_rank"] = {"rank": rank, **self.topo.grid.coords(rank)}
+        record["peak_mem_bytes"] = int(record["peak_mem_bytes"])
+        record["min_peak_mem_bytes"] = int(record["min_peak_mem_bytes"])
         record["mem_source"] = self.mem_source
-        self._busy_sum = [a + b for a, b in zip(self._busy_sum or [0.0] * n, busy)]
-        self._busy_steps += 1
-        every = self.obs.straggler_interval
-        if every > 0 and step % every == 0 and n > 1:
-            mean_busy = [b / self._busy_steps for b in self._busy_sum]
-            self._busy_sum, self._busy_steps = None, 0
-            record["stragglers"] = self._stragglers(mean_busy)
         return record
 
-    def _host_names(self) -> list[str]:
-        if self.hosts is None:
+    def check_stragglers(self, step: int) -> tuple[list[dict], list[dict]] | None:
+        """Every ``straggler_interval`` steps (collective over the world; the same steps on
+        every rank): each rank's mean busy and step time since the last check and its peak
+        memory, gathered to rank 0 only. Returns, on rank 0, (stragglers, per-rank rows
+        with coordinates and host); None elsewhere and between checks."""
+        every = self.obs.straggler_interval
+        if every <= 0 or step % every or self._own_steps == 0:
+            return None
+        mine = [self._own[0] / self._own_steps, self._own[1] / self._own_steps, self._own[2]]
+        self._own, self._own_steps = [0.0, 0.0, 0.0], 0
+        rows = self._gather_to_logger(torch.tensor(mine, dtype=torch.float64, device=self.device))
+        hosts = self._host_names()
+        if rows is None:
+            return None
+        table = [{"rank": r, **self.topo.grid.coords(r), "host": hosts[r], "busy_s": b,
+                  "step_time_s": t, "peak_mem_bytes": int(m)} for r, (b, t, m) in enumerate(rows)]
+        found = []
+        if len(rows) > 1:
+            for r, median in find_stragglers([b for b, _, _ in rows], self.obs.straggler_factor, self.peers):
+                found.append({**{k: table[r][k] for k in ("rank", "tp", "pp", "dp", "host", "busy_s")},
+                              "median_busy_s": median})
+        return found, table
+
+    def _gather_to_logger(self, mine: torch.Tensor) -> list[list[float]] | None:
+        if not (dist.is_available() and dist.is_initialized() and self.topo.world_size > 1):
+            return [mine.tolist()]
+        out = [torch.empty_like(mine) for _ in range(self.topo.world_size)] if self.topo.rank == 0 else None
+        dist.gather(mine, out, dst=0)
+        return [t.tolist() for t in out] if out is not None else None
+
+    def _host_names(self) -> list[str] | None:
+        """Every rank's host name, on rank 0 (gathered once, at the first check: every
+        rank calls this)."""
+        if self._hosts_pending:
+            self._hosts_pending = False
             self.hosts = [socket.gethostname()]
             if dist.is_available() and dist.is_initialized() and self.topo.world_size > 1:
-                self.hosts = [None] * self.topo.world_size
-                dist.all_gather_object(self.hosts, socket.gethostname())
+                self.hosts = [None] * self.topo.world_size if self.topo.rank == 0 else None
+                dist.gather_object(socket.gethostname(), self.hosts, dst=0)
         return self.hosts
-
-    def _stragglers(self, busy: list[float]) -> list[dict]:
-        hosts = self._host_names()
-        found = []
-        for r, median in find_stragglers(busy, self.obs.straggler_factor, self.peers):
-            c = self.topo.grid.coords(r)
-            found.append({"rank": r, "tp": c["tp"], "pp": c["pp"], "dp": c["dp"], "host": hosts[r],
-                          "busy_s": busy[r], "median_busy_s": median})
-        return found
 
 
 def straggler_warning(s: dict, factor: float) -> str:

@@ -10,6 +10,14 @@ micro-batches. Only the last stage computes the loss; each micro-batch's loss is
 by the number of micro-batches before its backward, exactly as without a pipeline, and
 the step's loss is summed over the pipeline group so every rank returns it.
 
+A micro-batch is an ``(inputs, targets)`` pair, or an object with ``inputs``, ``targets``,
+``positions`` and ``loss_divisor`` (``parallel3d.data.batch.MicroBatch``: chat data and
+packed documents). Its ``positions`` go to every chunk this rank runs, not only the
+first: each stage needs the document boundaries of the micro-batch it is working on. With
+a ``loss_divisor`` the last stage calls ``loss_fn(out, targets, loss_divisor)`` (the sum
+of the supervised tokens' losses over the divisor) instead of dividing the mean by the
+number of micro-batches.
+
 With ``pp = 1`` the plan is forward, backward per micro-batch with no communication,
 which is the plain gradient-accumulation loop.
 """
@@ -28,6 +36,22 @@ from .p2p import StageComm
 from .partition import rank_chunks
 from .schedules import Action, Message, exchanges, plan
 from .timeline import Timeline
+
+
+def _parts(mb) -> tuple[torch.Tensor, torch.Tensor, dict, float | None]:
+    """(inputs, targets, keyword arguments of every chunk, loss divisor) of a micro-batch."""
+    if isinstance(mb, (tuple, list)):
+        return mb[0], mb[1], {}, None
+    side = {} if mb.positions is None else {"positions": mb.positions}
+    return mb.inputs, mb.targets, side, mb.loss_divisor
+
+
+def _micro_batch_loss(loss_fn, out, targets, divisor: float | None, n_micro: int) -> torch.Tensor:
+    """One micro-batch's share of the step's loss: its mean over the number of
+    micro-batches, or (masked data) its sum over the divisor the batch carries."""
+    if divisor is None:
+        return loss_fn(out, targets) / n_micro
+    return loss_fn(out, targets, divisor)
 
 
 @dataclass
@@ -49,7 +73,7 @@ class PipelineSchedule:
     def __init__(self, chunks: list[nn.Module], loss_fn, topo, *, name: str, virtual_stages: int,
                  activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
                  device: torch.device, autocast=contextlib.nullcontext,
-                 timeline: Timeline | None = None):
+                 timeline: Timeline | None = None, watch=None):
         self.topo, self.name, self.v = topo, name, virtual_stages
         self.pp, self.n_chunks = topo.pp, topo.pp * virtual_stages
         ids = rank_chunks(topo.pp_rank, topo.pp, virtual_stages)
@@ -59,10 +83,9 @@ class PipelineSchedule:
         self.comm = StageComm(topo.pp_group, topo.pp_ranks, activation_shape, activation_dtype,
                               device) if topo.pp > 1 else None
         self.timeline = timeline or Timeline(device)
-        self.tied = [p for c in chunks for p in c.parameters() if getattr(p, "p3d_tied_embedding", False)]
         self.peak_alive = 0
         self.steps_run = 0
-        self.watch = None  # a reliability.CommWatch told of each send/recv, if attached
+        self.watch = watch  # a reliability.CommWatch told of each send/recv, if given
 
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
             reduce_loss: bool = True) -> torch.Tensor:
@@ -95,11 +118,6 @@ class PipelineSchedule:
                 self.watch.enter("pipeline send/recv [last sends]", "pp")
             with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
                 self.comm.flush()
-        if self.tied:
-            with self.timeline.span("pp collectives", "comm", lane="comm"):
-                if self.watch is not None:
-                    self.watch.enter("tied-embedding gradient all-reduce", "embed")
-                self._reduce_tied_gradients()
         self.timeline.end_work()
         self.steps_run += 1
         if not reduce_loss:
@@ -124,7 +142,8 @@ class PipelineSchedule:
         receive, as in :meth:`run`. Nothing is kept for a backward pass."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         last = self.n_chunks - 1
-        for mb, (inputs, targets) in enumerate(micro_batches):
+        for mb, batch in enumerate(micro_batches):
+            inputs, targets, side, divisor = _parts(batch)
             for c in range(self.n_chunks):
                 if c not in self.chunks:
                     continue
@@ -136,9 +155,10 @@ class PipelineSchedule:
                         self.watch.enter(f"pipeline send/recv [eval recv act{c - 1}.{mb}]", "pp")
                     (x,) = self.comm.exchange([], [msg])
                 with self.autocast():
-                    out = self.chunks[c](x)
+                    out = self.chunks[c](x, **side)
                 if c == last:
-                    total += self.loss_fn(out, targets).float() / len(micro_batches)
+                    total += _micro_batch_loss(self.loss_fn, out, targets, divisor,
+                                               len(micro_batches)).float()
                 else:
                     msg = Message("act", c, mb, src=c % self.pp, dst=(c + 1) % self.pp)
                     if self.watch is not None:
@@ -154,7 +174,7 @@ class PipelineSchedule:
 
     # -- the two actions --------------------------------------------------------------------
     def _forward(self, a: Action, st: _StepState) -> None:
-        inputs, targets = st.micro_batches[a.mb]
+        inputs, targets, side, divisor = _parts(st.micro_batches[a.mb])
         if a.chunk == 0:
             x = inputs  # (mb, S) tokens
         else:
@@ -162,10 +182,11 @@ class PipelineSchedule:
         last = a.chunk == self.n_chunks - 1
         with self.timeline.span(f"F{a.chunk}.{a.mb}", "forward", chunk=a.chunk, mb=a.mb):
             with self.autocast():
-                out = self.chunks[a.chunk](x)
+                out = self.chunks[a.chunk](x, **side)  # side: positions, for every chunk
             if last:
-                # The mean over micro-batches, as the unsplit model: each loss / m.
-                out = self.loss_fn(out, targets) / len(st.micro_batches)
+                # The mean over micro-batches, as the unsplit model: each loss / m (or,
+                # masked, each sum / the global batch's supervised tokens over dp).
+                out = _micro_batch_loss(self.loss_fn, out, targets, divisor, len(st.micro_batches))
                 st.loss += out.detach().float()
         if not last:
             st.outbox[("act", a.chunk, a.mb)] = out.detach()
@@ -197,15 +218,6 @@ class PipelineSchedule:
         for msg, tensor in zip(recvs, received):
             st.inbox[(msg.kind, msg.chunk, msg.mb)] = tensor
 
-    @torch.no_grad()
-    def _reduce_tied_gradients(self) -> None:
-        """A tied embedding lives on the first stage (input embedding) and the last (head):
-        both copies get the sum of the two gradients, so they stay equal after the update."""
-        for p in self.tied:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            all_reduce(p.grad, self.topo.embed_group)
-
     # -- metrics ----------------------------------------------------------------------------
     def step_metrics(self) -> dict:
         """``bubble_fraction``: idle share of the last step's window, mean over all ranks
@@ -218,13 +230,13 @@ class PipelineSchedule:
 
 def build_schedule(model: nn.Module, loss_fn, topo, parallel_cfg, *, activation_shape: tuple[int, ...],
                    device: torch.device, autocast=contextlib.nullcontext,
-                   record_steps: int = 0) -> PipelineSchedule:
+                   timeline: Timeline | None = None, watch=None) -> PipelineSchedule:
     """The schedule for this rank's ``model``: its ``pipeline_chunks`` when the model was
-    cut into stages (``parallelize``), else the model as the single chunk (pp = 1)."""
+    cut into stages (``parallelize``), else the model as the single chunk (pp = 1).
+    Activations cross between stages in the parameters' dtype."""
     chunks = list(getattr(model, "pipeline_chunks", None) or [model])
     dtype = next(model.parameters()).dtype
     return PipelineSchedule(chunks, loss_fn, topo, name=parallel_cfg.schedule,
                             virtual_stages=parallel_cfg.virtual_stages,
                             activation_shape=activation_shape, activation_dtype=dtype,
-                            device=device, autocast=autocast,
-                            timeline=Timeline(device, record_steps))
+                            device=device, autocast=autocast, timeline=timeline, watch=watch)

@@ -90,6 +90,13 @@ class Timeline:
         finally:
             self._step["spans"].append((name, cat, lane, t0, self.clock.mark(), args))
 
+    def instant(self, name: str, lane: str = "comm", **args) -> None:
+        """Record a point in time (a zero-length span of category "mark": a collective
+        issued asynchronously, say); it counts in no breakdown field."""
+        if self._step is not None:
+            t = self.clock.mark()
+            self._step["spans"].append((name, "mark", lane, t, t, args))
+
     def end_work(self) -> None:
         """Mark the end of the schedule's part of the step (its last send waited for)."""
         if self._step is not None:
@@ -175,13 +182,14 @@ def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
             offset = base.get(rec["step"], rec["offset_s"])
             for span_name, cat, lane, t0, t1, args in rec["spans"]:
                 events.append({
-                    "name": span_name, "cat": cat, "ph": "X", "pid": pid, "tid": LANES.index(lane),
+                    "name": span_name, "cat": cat, "ph": "i" if cat == "mark" else "X", "pid": pid,
+                    "tid": LANES.index(lane), **({"s": "t"} if cat == "mark" else {}),
                     "ts": round((offset + t0) * 1e6, 3), "dur": round(max(0.0, t1 - t0) * 1e6, 3),
                     "args": {"step": rec["step"], **args},
                 })
     # Spans before a step's synchronisation point (data, the sync itself) can start before
     # rank 0's first mark on another rank: move the whole trace so that time starts at 0.
-    spans = [e for e in events if e["ph"] == "X"]
+    spans = [e for e in events if e["ph"] in ("X", "i")]
     first = min((e["ts"] for e in spans), default=0.0)
     if first < 0:
         for e in spans:

@@ -71,7 +71,7 @@ def read_metrics(path: str | Path) -> tuple[dict, float]:
 def calibrate_from_run(path: str | Path, gpu: GPU, gpus_per_node: int) -> tuple[Efficiency, str]:
     """(efficiency refreshed from the run, a one-line account of how)."""
     from parallel3d.config import config_from_dict
-    from parallel3d.train.setup import resolve_model_config
+    from parallel3d.model_config import resolve_model_config
 
     data, tokens_per_s = read_metrics(path)
     cfg = config_from_dict(data)

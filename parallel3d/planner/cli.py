@@ -10,16 +10,50 @@ from pathlib import Path
 from parallel3d.errors import UserError
 
 
-def add_plan_parser(sub) -> None:
-    from parallel3d.planner.hardware import GPUS
+# What a job plan assumes when the command line does not say (``parallel3d plan --help``).
+DEFAULT_MAX_SEQ_LEN = 8192  # the models' pre-training context (Llama 3), when theirs is longer
+DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # Llama 2's pre-training batch, Llama 3 405B's first stage
 
-    p = sub.add_parser("plan", help="predict memory and step time of every layout and recommend one")
+
+def add_gpu_args(p, dry_run: bool = False) -> None:
+    """``--gpu NAME`` and ``--gpu-spec KEY=VALUE,...`` (``plan``, ``train --dry-run``)."""
+    from parallel3d.planner.hardware import SPEC_HELP, gpu_names
+
+    p.add_argument("--gpu", choices=gpu_names(), metavar="NAME",
+                   help=f"a GPU of the table: {', '.join(gpu_names())}"
+                        + (" (the dry run then says, per stage, whether the job fits)" if dry_run else ""))
+    p.add_argument("--gpu-spec", metavar="KEY=VALUE,...", help=SPEC_HELP)
+
+
+def gpu_from_args(args, internode_gbit_per_s: float | None = None):
+    """The GPU ``--gpu`` / ``--gpu-spec`` name or describe (the spec's keys over the named
+    GPU when both are given), or None when neither is."""
+    from parallel3d.planner.hardware import gpu_from_spec, gpu_named, with_internode
+
+    gpu = gpu_named(args.gpu) if args.gpu else None
+    if args.gpu_spec:
+        gpu = gpu_from_spec(args.gpu_spec, gpu)
+    return None if gpu is None else with_internode(gpu, internode_gbit_per_s)
+
+
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="predict memory and step time of every layout and recommend one",
+        description="Rank every valid layout (tp, pp, dp, micro-batch, schedule, ZeRO, "
+                    "recomputation, sequence parallelism) of a job by predicted step time and "
+                    "recommend the fastest that fits. Only --model, --gpus and the GPU are needed: "
+                    "the rest defaults to the common case, printed with the plan.")
     p.add_argument("--model", required=True, help="a preset (debug, 1b, 8b, 70b) or a Hugging Face config.json")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
-    p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--gpu", required=True, choices=sorted(GPUS))
-    p.add_argument("--seq-len", type=int, required=True)
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    add_gpu_args(p)
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs in one node, i.e. one NVLink domain (default: the GPU's usual node, "
+                        "8; gb200: 72)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per sequence (default: the model's context, at most {DEFAULT_MAX_SEQ_LEN})")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help=f"sequences per optimizer step (default: {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens "
+                        "a step, rounded up to a multiple of --gpus)")
     p.add_argument("--nodes-interconnect", type=float, default=None, metavar="GBIT",
                    help="inter-node bandwidth per GPU in Gbit/s (default: the GPU's usual NIC)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -29,6 +63,26 @@ def add_plan_parser(sub) -> None:
                    "metrics.jsonl (a run directory, or the file; config.json must sit beside it)")
     for key in ("tp", "pp", "dp"):
         p.add_argument(f"--{key}", type=int, default=None, help=f"consider only this {key}")
+
+
+def job_defaults(args, model, gpu) -> list[str]:
+    """Fill ``--gpus-per-node``, ``--seq-len`` and ``--global-batch`` left unset; returns
+    what was assumed, one phrase each."""
+    assumed = []
+    if args.gpus_per_node is None:
+        args.gpus_per_node = gpu.gpus_per_node
+        assumed.append(f"{args.gpus_per_node} GPUs a node ({gpu.name}'s usual node)")
+    if args.seq_len is None:
+        args.seq_len = min(model.max_seq_len, DEFAULT_MAX_SEQ_LEN)
+        assumed.append(f"sequences of {args.seq_len} tokens (the model's context"
+                       + (f", capped at {DEFAULT_MAX_SEQ_LEN})" if model.max_seq_len > DEFAULT_MAX_SEQ_LEN else ")"))
+    if args.global_batch is None and args.seq_len >= 1 and args.gpus >= 1:
+        per_gpu = -(-DEFAULT_TOKENS_PER_STEP // (args.seq_len * args.gpus))  # ceil
+        args.global_batch = per_gpu * args.gpus
+        assumed.append(f"a global batch of {args.global_batch} sequences "
+                       f"({args.global_batch * args.seq_len / 2**20:.1f}M tokens a step: about "
+                       f"{DEFAULT_TOKENS_PER_STEP // 2**20}M, a multiple of --gpus)")
+    return assumed
 
 
 def resolve_model(spec: str):
@@ -51,24 +105,29 @@ def resolve_model(spec: str):
 
 def run_plan(args: argparse.Namespace) -> int:
     from parallel3d.planner.calibrate import calibrate_from_run, default_efficiency
-    from parallel3d.planner.hardware import gpu_named
     from parallel3d.planner.report import assumptions, reasons, recipe_text, table
     from parallel3d.planner.search import recommend, search
     from parallel3d.planner.spec import Workload
 
+    if not (args.gpu or args.gpu_spec):
+        raise UserError("name the GPU: --gpu NAME (see --help for the table) or describe it with "
+                        "--gpu-spec tflops=N,memory_gib=N,intra_gbyte_s=N,inter_gbit_s=N")
+    gpu = gpu_from_args(args, args.nodes_interconnect)
+    model, model_keys = resolve_model(args.model)
     for name in ("gpus", "gpus_per_node", "seq_len", "global_batch", "top"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    assumed = job_defaults(args, model, gpu)
     if args.gpus % args.gpus_per_node and args.gpus > args.gpus_per_node:
-        raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}")
+        raise UserError(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node} "
+                        "(set --gpus-per-node)")
     recipe = Path(args.write_recipe) if args.write_recipe else None
     if recipe is not None and (recipe.is_dir() or not recipe.parent.is_dir()):
         why = "is a directory" if recipe.is_dir() else f"is in '{recipe.parent}', which is not a directory"
         raise UserError(f"--write-recipe '{recipe}' {why}: give a file path for the TOML recipe")
-    model, model_keys = resolve_model(args.model)
     if args.seq_len > model.max_seq_len:
         raise UserError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
-    gpu = gpu_named(args.gpu, args.nodes_interconnect)
     eff = default_efficiency()
     if args.calibrate:
         eff, how = calibrate_from_run(args.calibrate, gpu, args.gpus_per_node)
@@ -79,6 +138,8 @@ def run_plan(args: argparse.Namespace) -> int:
     if not candidates:
         raise UserError(f"no valid layout: {args.gpus} GPUs cannot split {model.n_layers} layers, "
                         f"{model.n_heads} heads and a batch of {args.global_batch} (check --global-batch)")
+    if assumed:
+        print("assumed (set the option to change): " + "; ".join(assumed))
     print(assumptions(gpu, eff, args.gpus, args.gpus_per_node))
     print(f"{len(candidates)} valid layouts, {sum(c.fits for c in candidates)} fit:")
     print(table(candidates, args.top))

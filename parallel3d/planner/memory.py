@@ -1,39 +1,42 @@
 """Bytes a rank holds at its peak, per pipeline stage; the largest stage decides.
 
-Two moments compete for the peak, and the model takes the larger:
+Three moments compete for the peak, and the model takes the largest:
 
 * the start of a backward pass: model states (weights, master weights, optimizer
-  moments, the gradients accumulated so far) plus the saved activations of every
-  in-flight micro-batch plus, on the last stage, the loss's backward buffers. Every
-  backward of the rank's pipeline plan (the one the runtime runs) is evaluated and the
-  largest counts: the one with the most micro-batches alive may come before any gradient
-  exists, a later one with as many alive after;
+  moments, the gradient buffers) plus the saved activations of every in-flight
+  micro-batch plus, on the last stage, the loss's backward buffers. Every backward of
+  the rank's pipeline plan (the one the runtime runs) is evaluated and the largest
+  counts;
 * the optimizer step: model states with the full gradients plus the step's temporaries
-  (the flat all-reduce bucket, or Adam's ``sqrt(v)`` buffer).
+  (none with the fused flat AdamW, kept as a term);
+* start-up: the model states plus the initialisation's or the loading's transient.
 
 Saved activations per decoder layer and token, read from what autograd keeps for this
 repository's Llama (``models/llama/model.py``; measured on CPU by
 ``benchmarks/bench_planner_memory.py``), with ``d`` = dim, ``kv`` = n_kv_heads * head_dim,
-``f`` = ffn_dim, ``a`` = activation bytes (4 fp32, 2 bf16), ``r`` = 4 (fp32 residual)::
+``f`` = ffn_dim, ``a`` = activation bytes (4 fp32, 2 bf16: the parameters' dtype, which
+the residual stream has too)::
 
-    r * 4d        layer input x, RMSNorm's normalized x, residual h, its normalized h
-    a * 2d        the two normed inputs of the projections (q/k/v and gate/up)
+    a * 2d / sp   the inputs of the two RMSNorms (the residual stream; each norm keeps
+                  only its input and one fp32 per token, ``_RMSNormFn``)
+    a * 2d / sp   the two normed inputs of the projections (q/k/v and gate/up); under
+                  sequence parallelism this rank's shard (the backward gathers it again)
     a * (2d + 2kv)/tp   rotated q, rotated k, v and the attention output
-    a * 4f / tp   gate, up, silu(gate), silu(gate) * up
+    a * 3f / tp   gate, up (``_SwiGLUFn`` recomputes silu in the backward), silu(gate) * up
 
-RoPE multiplies by constant tables, so its inputs are not kept; SDPA keeps its inputs,
-output and a (B, heads, S) log-sum-exp (counted: small). Under tensor parallelism the
-first group is divided by tp only with sequence parallelism. ``full`` recomputation keeps
-only each layer's input and rebuilds one layer at a time in the backward pass;
-``selective`` (keep the matmul outputs) keeps the input plus q, k, v, o, gate, up, down.
+(``sp`` = tp under sequence parallelism, else 1.) RoPE multiplies by constant tables, so
+its inputs are not kept; SDPA keeps its inputs, output and a (B, heads, S) log-sum-exp
+(counted: small). ``full`` recomputation keeps only each layer's input and rebuilds one
+layer at a time in the backward pass; ``selective`` (keep the matmul outputs) keeps the
+input plus q, k, v, o, gate, up, down.
 
-The last stage also holds, per in-flight micro-batch, the final norm (``r*2d + a*d``)
-and what the loss saves for its backward: with tp = 1 the fp32 log-softmax output
-(``4*V``; the logits are freed once the loss is computed), with tp > 1 the logits shard
-(``a*V/tp``, the vocab-parallel cross-entropy never stores the softmax). At the start of
-the loss's backward: two more fp32 ``V`` buffers (tp = 1), or one ``V/tp`` gradient buffer
-(tp > 1). See :func:`head_activation_bytes`. With recomputation the rebuilt layer and the
-loss's backward buffers are never alive together: the larger counts.
+The last stage also holds, per in-flight micro-batch, the final norm (its input ``a*d/sp``,
+the head's input ``a*d``) and what the loss saves for its backward: with tp = 1 the fp32
+log-softmax output (``4*V``; the logits are freed once the loss is computed), with tp > 1
+the logits shard (``a*V/tp``, the vocab-parallel cross-entropy never stores the softmax).
+At the start of the loss's backward: two more fp32 ``V`` buffers (tp = 1), or one ``V/tp``
+gradient buffer (tp > 1). See :func:`head_activation_bytes`. With recomputation the
+rebuilt layer and the loss's backward buffers are never alive together: the larger counts.
 
 In-flight micro-batches on pipeline rank ``r`` of ``pp`` with ``m`` micro-batches: 1
 without pipelining, ``m`` for GPipe, ``min(pp - r, m)`` for 1F1B, and for the
@@ -43,11 +46,13 @@ where the plan has no steady state). A chunk other than the model's last also ke
 output (``r*d``) per in-flight micro-batch: the runtime stashes it for the backward.
 
 Model states per parameter held (bytes, see :data:`~parallel3d.planner.spec.PRECISION`):
-weights, master weights (mixed precision only), gradients (fp32) and Adam (8). ZeRO 1
-shards master weights and moments over dp; ZeRO 2 also the gradients, which then pass
-through two fp32 buckets of ``bucket_bytes`` (one being filled, one being reduced). With
-ZeRO 0 the data-parallel all-reduce bucket (at most ``bucket_bytes``) exists only during
-the optimizer step, before Adam's temporaries: it is a step temporary, not resident.
+weights, master weights (mixed precision only), gradients (fp32) and Adam (8), all
+allocated by the flat-buffer optimizer at construction. ZeRO 1 shards master weights and
+moments over dp and keeps the whole fp32 gradient buffer plus its reduced shard; ZeRO 2
+keeps only the shard, and packs each bucket of a backward pass into a transient fp32
+buffer, at most two in flight. The step itself (clipping, the fused AdamW over flat
+shards, the all-gathers into the parameter buffer) allocates nothing. The start-up peak
+is the model states plus the initialisation's host chunk or one loaded slice.
 """
 
 from __future__ import annotations
@@ -55,10 +60,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from parallel3d.planner.spec import (ADAM_BYTES, RESIDUAL_BYTES, Layout, Workload,
-                                     layer_split, rank_chunks)
+from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, layer_split, rank_chunks
 
-BUCKET_BYTES = 25 * 2**20  # data-parallel gradient buckets (data_parallel.py, ZeRO's bucket_mb)
+BUCKET_BYTES = 25 * 2**20  # gradient buckets (parallel.bucket_mb)
+MAX_INFLIGHT = 2  # bucket reductions in flight at once (parallel3d/zero/grads.py)
+INIT_CHUNK_BYTES = 12 * 2**20  # the seeded initialisation's host temporaries (tensor_parallel/init.py)
 
 
 @dataclass
@@ -74,7 +80,8 @@ class StageMemory:
     grads: int = 0  # held at the backward peak
     activations: int = 0  # saved activations of the in-flight micro-batches
     backward_transient: int = 0  # the larger of a recomputed layer and the loss's backward buffers
-    step_transient: int = 0  # optimizer-step temporaries (all-reduce bucket, Adam's sqrt(v))
+    step_transient: int = 0  # optimizer-step temporaries (none with the fused flat AdamW)
+    startup_transient: int = 0  # building and filling the model (init chunk or one loaded slice)
     full_grads: int = 0
     in_flight: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -90,8 +97,19 @@ class StageMemory:
                 + self.step_transient)
 
     @property
-    def peak(self) -> int:
+    def startup_peak(self) -> int:
+        return (self.weights + self.master + self.optimizer + self.full_grads
+                + self.startup_transient)
+
+    @property
+    def training_peak(self) -> int:
+        """The peak of a training step (what a measurement of one step sees)."""
         return max(self.backward_peak, self.step_peak)
+
+    @property
+    def peak(self) -> int:
+        """The peak over the process's life, start-up included (``max_memory_allocated``)."""
+        return max(self.training_peak, self.startup_peak)
 
     def breakdown(self) -> tuple[str, int, int, int]:
         """(phase, model states, activations, buffers) at the moment of the peak."""
@@ -114,13 +132,13 @@ def layer_activation_bytes(model, tokens: int, layout: Layout, act: int, recompu
     d, f, tp = model.dim, model.ffn_dim, layout.tp
     kv = model.n_kv_heads * model.head_dim
     seq_shard = tp if layout.sequence_parallel else 1
-    residual_in = RESIDUAL_BYTES * d // seq_shard
-    small = 4 * (model.n_heads // tp + 2)  # log-sum-exp per head, two RMSNorm rsqrt
+    layer_in = act * d // seq_shard
+    small = 4 * (model.n_heads // tp + 2)  # log-sum-exp per head, one fp32 rstd per norm
     if recompute == "full":
-        return tokens * residual_in
+        return tokens * layer_in
     if recompute == "selective":
-        return tokens * (residual_in + act * (2 * d + (d + 2 * kv + 2 * f) // tp))
-    full = RESIDUAL_BYTES * 4 * d // seq_shard + act * (2 * d + (2 * d + 2 * kv + 4 * f) // tp)
+        return tokens * (layer_in + act * (2 * d + (d + 2 * kv + 2 * f) // tp))
+    full = 4 * layer_in + act * (2 * d + 2 * kv + 3 * f) // tp
     return tokens * (full + small)
 
 
@@ -142,7 +160,7 @@ def head_activation_bytes(model, tokens: int, layout: Layout, act: int) -> tuple
     """
     v = -(-model.vocab_size // layout.tp)  # the vocabulary padded to a multiple of tp, per rank
     seq_shard = layout.tp if layout.sequence_parallel else 1
-    norm = RESIDUAL_BYTES * 2 * model.dim // seq_shard + act * model.dim
+    norm = act * model.dim // seq_shard + act * model.dim  # the final norm's input, the head's input
     if layout.tp == 1:
         return tokens * (norm + 4 * v + 4), tokens * 8 * v
     return tokens * (norm + act * v + 8 + 8), tokens * act * v
@@ -209,26 +227,41 @@ def stage_params(model, layout: Layout, pp_rank: int, split: list[int]) -> tuple
 
 
 def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] | None = None,
-                 bucket_bytes: int = BUCKET_BYTES) -> StageMemory:
+                 bucket_bytes: int = BUCKET_BYTES, gloo: bool = False) -> StageMemory:
+    """One pipeline rank's peak. ``gloo``: the CPU runtime, whose reduce-scatter receives
+    every rank's copy of its slice into a buffer of the bucket's size per reduction in
+    flight (NCCL reduces in place)."""
     model, b = work.model, work.bytes
     split = split or layer_split(model, layout.pp, layout.virtual_stages)
     n, layers, largest = stage_params(model, layout, pp_rank, split)
     m = layout.n_micro(work)
     mem = StageMemory(stage=pp_rank, layers=layers, params=n)
     shard = layout.dp if layout.zero >= 1 else 1
+    # The flat-buffer optimizer (parallel3d/zero) allocates everything at construction:
+    # the parameters (their dtype), fp32 masters when they are bf16, the moments, and the
+    # fp32 gradient buffers, resident from the first step to the last.
     mem.weights = n * b["weight"]
     mem.master = n * b["master"] // shard
     mem.optimizer = n * ADAM_BYTES // shard
-    mem.full_grads = n * b["grad"]
-    buckets = 0
-    if layout.zero == 1:  # the full fp32 buffer, plus the reduced shard GradReducer keeps
-        mem.full_grads += 4 * n // layout.dp
-    if layout.zero >= 2:  # gradients accumulate in the shard; buckets live only in the backward
-        mem.full_grads = n * b["grad"] // layout.dp
-        buckets = 2 * min(bucket_bytes, n * b["grad"])
+    if layout.zero == 2:  # gradients accumulate in the shard only
+        mem.full_grads = 4 * n // layout.dp
+    else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
+        mem.full_grads = 4 * n + (4 * n // layout.dp if layout.zero == 1 else 0)
+    bucket = min(bucket_bytes, 4 * n)
+    in_flight_buckets = MAX_INFLIGHT * bucket
+    # Inside a backward: stage 2 packs each bucket into a fresh fp32 buffer, at most
+    # MAX_INFLIGHT of them in flight; on gloo every reduce-scatter in flight also has its
+    # receive buffer.
+    # Every weight's gradient is computed into a tensor of its own (in the parameter's
+    # dtype) before autograd adds it into the buffer, or the hook folds it: the largest
+    # weight's is the transient.
+    transient_grads = largest * b["weight"]
+    if layout.zero == 2:
+        transient_grads += in_flight_buckets
+    if gloo and layout.zero >= 1 and layout.dp > 1:
+        transient_grads += in_flight_buckets
 
     tokens = layout.micro_batch * work.seq_len
-    own = rank_chunks(pp_rank, layout.pp, layout.virtual_stages)
     per_chunk_layers = layers / layout.virtual_stages
     chunk_act = per_chunk_layers * layer_activation_bytes(model, tokens, layout, b["act"], layout.recompute)
     rebuilt = 0
@@ -236,12 +269,8 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         rebuilt = layer_activation_bytes(model, tokens, layout, b["act"], "none")
     # A chunk that is not the last keeps its output in the runtime's stash until its
     # backward (pipeline/runtime.py); autograd itself saves no layer's output.
-    stashed = tokens * RESIDUAL_BYTES * model.dim // (layout.tp if layout.sequence_parallel else 1)
+    stashed = tokens * b["act"] * model.dim // (layout.tp if layout.sequence_parallel else 1)
     saved, extra = head_activation_bytes(model, tokens, layout, b["act"])
-    # The gradients held at a backward's start: ZeRO 1 keeps its full fp32 buffer all
-    # along; otherwise a chunk's gradients exist once it has run one backward this step.
-    # ZeRO 2 accumulates into the shard; its two buckets (one filling in .grad, one
-    # packed and being reduced, zero/grads.py) exist only inside a backward.
     best = None
     for alive, alive_last, done, is_last in backward_moments(layout, m, pp_rank):
         act = alive * chunk_act + (alive - alive_last) * stashed + alive_last * saved
@@ -249,33 +278,25 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         # backward ends (freeing them and its micro-batch's saved head) before autograd
         # reaches the last decoder layer and recomputes it.
         transient = max(extra, rebuilt - saved) if is_last else rebuilt
-        if layout.zero >= 1:
-            grads = mem.full_grads
-        else:
-            grads = mem.full_grads * done // len(own)
-        growing = buckets if layout.zero >= 2 else mem.full_grads - grads
-        # Gradients (or buckets) still to come grow only as the backward frees the
-        # activations of the layers that produce them: they count where they exceed them.
-        transient = max(transient, growing - act)
-        total = act + grads + transient
+        # Gradient transients appear as the backward frees the activations of the layers
+        # that produce them: they count where they exceed them.
+        transient = max(transient, transient_grads - act)
+        total = act + mem.full_grads + transient
         if best is None or total > best[0]:
-            best = (total, act, grads, transient, alive)
-    _, mem.activations, mem.grads, mem.backward_transient, mem.in_flight = best
-    if mem.grads < mem.full_grads and layout.zero == 0:
-        mem.notes.append("peak in a backward before every gradient exists")
-
-    if layout.zero >= 1:
-        mem.step_transient = 4 * n // layout.dp  # Adam's sqrt(v) over this rank's shard
-    else:
-        # Adam (foreach) adds a sqrt(v) temporary per parameter group. The flat
-        # all-reduce bucket (data_parallel.py) lives only while its gradients are being
-        # reduced, before Adam runs: a step-phase temporary, not resident. (A caching
-        # allocator may keep its block reserved; that is the fragmentation margin's part,
-        # not allocated bytes.)
-        bucket = min(bucket_bytes, mem.full_grads) if layout.dp > 1 else 0
-        mem.step_transient = max(4 * n, 4 * largest, bucket)
+            best = (total, act, transient, alive)
+    _, mem.activations, mem.backward_transient, mem.in_flight = best
+    mem.grads = mem.full_grads
+    # The step: clipping and torch's fused AdamW work in place over the flat shards, and
+    # the all-gathers of stages 1 and 2 land in the parameter buffer: no temporaries
+    # beyond the norm's per-piece scalars.
+    mem.step_transient = 0
+    # Start-up: the buffers above, plus the seeded initialisation's host chunk
+    # (tensor_parallel/init.py: 2^18 elements, ~48 bytes each in flight) or one slice of
+    # one tensor read from a checkpoint (the largest, in fp32 at most).
+    mem.startup_transient = max(INIT_CHUNK_BYTES, 4 * largest)
     return mem
 
 
-def memory_per_stage(work: Workload, layout: Layout, split: list[int] | None = None) -> list[StageMemory]:
-    return [stage_memory(work, layout, r, split) for r in range(layout.pp)]
+def memory_per_stage(work: Workload, layout: Layout, split: list[int] | None = None,
+                     gloo: bool = False) -> list[StageMemory]:
+    return [stage_memory(work, layout, r, split, gloo=gloo) for r in range(layout.pp)]

@@ -84,8 +84,9 @@ def _with(layout: Layout, **changes) -> Layout:
 
 
 def assumptions(gpu: GPU, eff, n_gpus: int, gpus_per_node: int) -> str:
-    return (f"{n_gpus} x {gpu.name} ({gpus_per_node} per node), peak {gpu.peak_flops / 1e12:.0f} TFLOP/s, "
-            f"compute efficiency {eff.compute:.3f}, link efficiency {eff.link:.2f}, NVLink "
+    return (f"{n_gpus} x {gpu.name} ({gpus_per_node} per node), peak {gpu.peak_flops / 1e12:,.0f} TFLOP/s bf16 "
+            f"dense, {gpu.memory_bytes / GiB:.1f} GiB, "
+            f"compute efficiency {eff.compute:.3f}, link efficiency {eff.link:.2f}, intra-node "
             f"{gpu.nvlink_bytes_per_s / 1e9:.0f} GB/s, inter-node {gpu.internode_bytes_per_s * 8 / 1e9:.0f} "
             f"Gbit/s per GPU; memory: {FRAGMENTATION:.0%} fragmentation margin on the fullest stage")
 

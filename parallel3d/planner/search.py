@@ -94,6 +94,9 @@ def _variants(model, tp, pp, dp, mb, n_micro, fixed):
 
 def evaluate(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
              eff: Efficiency | None = None) -> Candidate:
+    if eff is None:  # the planner's default, inverted from its published anchor run
+        from parallel3d.planner.calibrate import default_efficiency
+        eff = default_efficiency()
     return Candidate(layout, memory_per_stage(work, layout), step_time(work, layout, gpu, gpus_per_node, eff),
                      usable_bytes(gpu))
 

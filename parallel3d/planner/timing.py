@@ -83,10 +83,9 @@ def stage_flops_per_token(work: Workload, layout: Layout, pp_rank: int, split: l
 
 
 def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
-              eff: Efficiency | None = None, split: list[int] | None = None) -> StepTime:
-    if eff is None:
-        from parallel3d.planner.calibrate import default_efficiency
-        eff = default_efficiency()
+              eff: Efficiency, split: list[int] | None = None) -> StepTime:
+    """The step of ``layout``, with the efficiencies ``eff`` (the planner's default:
+    ``parallel3d.planner.calibrate.default_efficiency()``)."""
     model, b = work.model, work.bytes
     split = split or layer_split(model, layout.pp, layout.virtual_stages)
     m = layout.n_micro(work)

@@ -7,7 +7,9 @@
 """
 
 from .numerics import LossSpikeDetector, TrainingStopped, nonfinite_reason
-from .watch import CommFailure, CommWatch, comm_failures_reported, is_comm_error
+from .watch import (CommFailure, CommWatch, backend_timeout_s, comm_failures_reported,
+                    enable_flight_recorder, is_comm_error, wants_watchdog)
 
-__all__ = ["CommWatch", "CommFailure", "LossSpikeDetector", "TrainingStopped",
-           "comm_failures_reported", "is_comm_error", "nonfinite_reason"]
+__all__ = ["CommWatch", "CommFailure", "LossSpikeDetector", "TrainingStopped", "backend_timeout_s",
+           "comm_failures_reported", "enable_flight_recorder", "is_comm_error", "nonfinite_reason",
+           "wants_watchdog"]

@@ -13,6 +13,16 @@ its members, the rank(s) of that group that did not arrive -- a process gone (sa
 host), a heartbeat gone silent, or a heartbeat at another step or operation -- and every
 rank's last heartbeat ("who was where"). Then the worker exits without touching the
 broken process group, so every survivor is gone within the timeout plus a few seconds.
+
+On NCCL no exception reaches Python in time: collectives are asynchronous, the host
+blocks in a synchronisation, and NCCL's own watchdog aborts the process when a
+collective outlives the group's timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``), before any
+report. There the heartbeat thread is the watchdog (``watchdog=True``): when this rank
+has made no progress (no new operation entered) for ``comm_timeout_s``, it writes the
+same report, dumps torch's NCCL flight recorder (the last collectives of every group,
+``RUN_DIR/nccl_trace_rank<r>.pkl``, when recording is on) and exits with status 4; the
+process groups are given a longer timeout (:func:`backend_timeout_s`) so that this
+happens first. The same thread runs on gloo in the tests that check it.
 """
 
 from __future__ import annotations
@@ -88,25 +98,55 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-class CommWatch:
-    """This rank's current step and operation, and its heartbeat in the store."""
+def wants_watchdog(setting: str, backend: str) -> bool:
+    """``reliability.watchdog``: on, off, or auto (on for NCCL, whose failures never reach
+    Python as exceptions in time; gloo's collectives raise, and the worker reports)."""
+    return setting == "on" or (setting == "auto" and backend != "gloo")
 
-    def __init__(self, topo, timeout_s: float, heartbeat_s: float = 5.0, store=None):
+
+def backend_timeout_s(watchdog: bool, comm_timeout_s: float) -> float:
+    """The process groups' own timeout: ``comm_timeout_s`` without the watchdog (the
+    collective raises, the worker reports), longer with it, so that the watchdog reports
+    before NCCL's own watchdog kills the process without a word."""
+    return comm_timeout_s + max(60.0, 0.5 * comm_timeout_s) if watchdog else comm_timeout_s
+
+
+def enable_flight_recorder(backend: str) -> None:
+    """Ask torch's NCCL process groups to record their last collectives (the flight
+    recorder: a ring buffer in host memory, negligible cost), read by the watchdog's
+    dump. Must run before the process group is created; an explicit setting wins."""
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+
+
+class CommWatch:
+    """This rank's current step and operation, and its heartbeat in the store; with
+    ``watchdog``, the report and exit of a rank stuck for ``timeout_s`` (see the module
+    docstring). ``dump_dir``: where the watchdog writes the flight recorder's dump."""
+
+    def __init__(self, topo, timeout_s: float, heartbeat_s: float = 5.0, store=None,
+                 watchdog: bool = False, dump_dir: str | None = None):
         self.topo, self.timeout_s, self.heartbeat_s = topo, timeout_s, heartbeat_s
         self.store = store
+        self.watchdog, self.dump_dir = watchdog, dump_dir
+        self.exit_on_stall = True  # tests that read the reports keep the process
         self.step, self.op, self.axis = 0, "start-up", "world"
         self._compute = (self.op, self.axis)
         self.since = time.monotonic()
+        # the watchdog does not judge start-up (building and loading a large model can
+        # take longer than any collective may) nor phases without collectives
+        self.paused = True
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._stop = threading.Event()
         self._thread = None
 
     @classmethod
-    def for_process_group(cls, topo, timeout_s: float, heartbeat_s: float) -> "CommWatch":
+    def for_process_group(cls, topo, timeout_s: float, heartbeat_s: float,
+                          watchdog: bool = False, dump_dir: str | None = None) -> "CommWatch":
         store = None
         if dist.is_initialized() and topo.world_size > 1:
             store = _own_client(dist.distributed_c10d._get_default_store())
-        watch = cls(topo, timeout_s, heartbeat_s, store)
+        watch = cls(topo, timeout_s, heartbeat_s, store, watchdog, dump_dir)
         watch.start()
         return watch
 
@@ -114,15 +154,20 @@ class CommWatch:
     def enter(self, op: str, axis: str) -> None:
         """Record that the next communication is ``op`` on this rank's ``axis`` group
         ("tp", "pp", "dp", "mp" or "world")."""
-        self.op, self.axis, self.since = op, axis, time.monotonic()
+        self.op, self.axis, self.since, self.paused = op, axis, time.monotonic(), False
 
     def compute(self, op: str, axis: str) -> None:
         """Enter the phase that :meth:`resume` returns to after a nested operation."""
         self._compute = (op, axis)
-        self.op, self.axis, self.since = op, axis, time.monotonic()
+        self.op, self.axis, self.since, self.paused = op, axis, time.monotonic(), False
 
     def resume(self) -> None:
         (self.op, self.axis), self.since = self._compute, time.monotonic()
+
+    def pause(self, op: str) -> None:
+        """A phase the watchdog does not time (a checkpoint written by this rank alone,
+        the end of the run); the next :meth:`enter` or :meth:`compute` re-arms it."""
+        self.op, self.since, self.paused = op, time.monotonic(), True
 
     # -- heartbeat ----------------------------------------------------------------------
     def beat(self) -> dict:
@@ -134,15 +179,63 @@ class CommWatch:
 
     def _loop(self) -> None:
         while True:
-            try:
-                self._publish()
-            except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+            if self.store is not None:
+                try:
+                    self._publish()
+                except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+                    if not self.watchdog:
+                        return
+            if self.watchdog and self.stalled():
+                self._report_and_exit()
                 return
-            if self._stop.wait(self.heartbeat_s):
+            if self._stop.wait(min(self.heartbeat_s, max(0.1, self.timeout_s / 10))):
                 return
 
+    def stalled(self) -> bool:
+        """No progress for ``timeout_s``: the watchdog's trigger."""
+        return not self.paused and time.monotonic() - self.since > self.timeout_s
+
+    def _report_and_exit(self) -> None:
+        """The watchdog's end: the report on stderr, the flight recorder's dump, exit 4
+        (the main thread is blocked in the stuck collective; the process group is not
+        torn down: with a peer gone that can block too)."""
+        import sys
+
+        from parallel3d.errors import EXIT_COMM
+
+        cause = TimeoutError(f"no progress for {self.timeout_s:g} s (watchdog)")
+        report = self.report(cause, settle_s=min(5.0, self.heartbeat_s))
+        print(f"parallel3d: error: {report}", file=sys.stderr, flush=True)
+        if self.dump_dir is not None:  # the run directory keeps it past the terminal
+            try:
+                with open(os.path.join(self.dump_dir, f"failure_rank{self.topo.rank}.txt"), "w") as f:
+                    f.write(report + "\n")
+            except OSError:
+                pass
+        path = self.dump_flight_recorder()
+        if path:
+            print(f"parallel3d: NCCL flight recorder of rank {self.topo.rank}: {path}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if self.exit_on_stall:
+            os._exit(EXIT_COMM)
+
+    def dump_flight_recorder(self) -> str | None:
+        """torch's NCCL flight recorder (recent collectives of every NCCL group of this
+        process, pickled) into ``dump_dir``; None when there is nothing to dump."""
+        if self.dump_dir is None:
+            return None
+        try:
+            from torch._C._distributed_c10d import _dump_nccl_trace
+            data = _dump_nccl_trace()
+        except Exception:  # noqa: BLE001 - no NCCL in this build, or recording is off
+            return None
+        path = os.path.join(self.dump_dir, f"nccl_trace_rank{self.topo.rank}.pkl")
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
     def start(self) -> None:
-        if self.store is not None and self._thread is None:
+        if (self.store is not None or self.watchdog) and self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="p3d-heartbeat", daemon=True)
             self._thread.start()
 

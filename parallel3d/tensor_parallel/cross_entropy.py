@@ -10,6 +10,9 @@ of every sum, as if they were -inf. For token i with target t_i::
     loss_i = log s_i + m_i - z_it
     dloss_i/dz_ij = exp(z_ij - m_i) / s_i - [j == t_i]    on the local (N, v) shard only
 
+A target equal to ``ignore_index`` (-100, as torch's) is not trained on: its loss is 0 and
+its row's upstream gradient is set to 0, which the gradient pass turns into a zero row.
+
 The local passes are ``parallel3d.kernels.cross_entropy`` (one fused Triton pass each on
 CUDA, the torch reference on CPU). The forward saves the logits and two N-vectors, not
 the softmax; nothing of size V is allocated anywhere.
@@ -27,7 +30,7 @@ from parallel3d.kernels.cross_entropy import ce_local_grad, ce_local_stats
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group, backend):
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group, backend, ignore_index):
         v = logits.shape[1]  # (N, v): this rank's columns
         valid = max(0, min(v, vocab_size - vocab_start))  # columns past vocab_size are padding
         local = targets - vocab_start  # (N,), outside [0, valid) when another rank owns it
@@ -36,31 +39,34 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rescale = torch.exp(m_mine - m).masked_fill(m_mine == float("-inf"), 0.0)
         summed = all_reduce(torch.stack([s_mine * rescale, z_t]), group, dist.ReduceOp.SUM)
         s, z_t = summed[0], summed[1]
-        ctx.save_for_backward(logits, local, m, s)
+        ignored = targets == ignore_index  # (N,)
+        ctx.save_for_backward(logits, local, m, s, ignored)
         ctx.valid, ctx.backend = valid, backend
-        return torch.log(s) + m - z_t  # (N,)
+        return (torch.log(s) + m - z_t).masked_fill(ignored, 0.0)  # (N,)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, local, m, s = ctx.saved_tensors
+        logits, local, m, s, ignored = ctx.saved_tensors
+        grad_loss = grad_loss.masked_fill(ignored, 0.0)  # ignored rows: a zero gradient
         grad = ce_local_grad(logits, local, ctx.valid, m, s, grad_loss, ctx.backend)  # (N, v)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
                                  vocab_start: int, vocab_size: int, group,
-                                 backend: str = "auto") -> torch.Tensor:
+                                 backend: str = "auto", ignore_index: int = -100) -> torch.Tensor:
     """Per-token loss (shape of ``targets``) from this rank's logit columns.
 
     logits (..., v): columns ``[vocab_start, vocab_start + v)`` of the full (..., Vp);
     targets (...): global token ids < ``vocab_size``; group: the tp group holding the
     other columns. Equals ``F.cross_entropy(full_logits[..., :vocab_size], targets,
-    reduction="none")``. backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
+    reduction="none", ignore_index=ignore_index)`` (0 where the target is ``ignore_index``).
+    backend: "auto" (Triton on CUDA, torch on CPU), "triton", "torch".
     """
     v = logits.shape[-1]
     z = logits.reshape(-1, v)
     if v > 1 and z.stride(1) != 1:
         z = z.contiguous()
     loss = _VocabParallelCrossEntropy.apply(z, targets.reshape(-1), vocab_start, vocab_size,
-                                            group, backend)
+                                            group, backend, ignore_index)
     return loss.view(targets.shape)

@@ -1,22 +1,33 @@
 """Initialising shards directly, without the full tensor existing anywhere.
 
-The trainer builds the whole model on every rank and keeps its slices, which is simple
-and exact but needs the full model in memory. For a model too big for that: build it on
-the meta device, apply tensor parallelism (shapes only), allocate this rank's shards
-(``to_empty``) and fill each with :func:`counter_normal_`.
+The trainer builds the model on the meta device, applies tensor and pipeline parallelism
+(shapes only), allocates this rank's shards in their storage dtype on the training device
+(:func:`materialize_`) and fills each with :func:`counter_normal_`.
 
-Every element of the full tensor takes its value from a hash of (seed, parameter name,
-its flat index in the full tensor), a counter-based generator (splitmix64, then
-Box-Muller), so a shard holds exactly the slice of the full tensor initialised the same
-way, whatever the layout, and no rank generates a value it does not keep::
+Every element of a full tensor takes its value from a counter-based generator keyed by
+(seed, parameter name) and indexed by the element's flat position ``n`` in the full
+tensor, so a shard holds exactly the slice of the full tensor initialised the same way,
+whatever the layout, and no rank generates a value it does not keep::
 
-    n      = flat index of the element in the full tensor
-    u_k    = (splitmix64(key + (2n + k) * gamma) >> 11 + 1/2) / 2^53,  k = 0, 1   in (0, 1)
-    value  = std * sqrt(-2 ln u_0) * cos(2 pi u_1)
+    key    = blake2b-128(f"{seed}/{name}")                       Philox-4x64 key
+    d_i    = i-th 64-bit output of Philox(key) (counter i // 4, word i % 4)
+    u_k    = ((d_{2n+k} >> 40) + 1/2) / 2^24,  k = 0, 1          in (0, 1)
+    value  = std * sqrt(-2 ln u_0) * cos(2 pi u_1)               (Box-Muller, in float64)
 
-This is a different stream from ``torch.manual_seed`` + ``normal_``: a model initialised
-this way equals the unsharded model initialised the same way (``counter_normal_`` on
-whole tensors), not one from ``Llama.reset_parameters``.
+Philox is a counter-based generator (Salmon et al., SC 2011): any element's draws are
+computed from its counter without generating the ones before it, so a contiguous run of
+the full tensor (a block of rows, or one row's columns under a row-parallel split) costs
+only its own elements. numpy's ``Philox`` bit generator produces the raw words; the
+transform runs in torch, element-wise, so a value does not depend on which slice it was
+computed in (a test checks this). Values are generated on the host in bounded chunks
+(:data:`_CHUNK` elements, about 12 MB of temporaries) and copied into the shard, on
+whatever device and in whatever dtype it is stored: the host holds at most one chunk
+beyond the shard.
+
+This is not the stream of ``torch.manual_seed`` + ``normal_``: a model initialised this
+way equals the unsharded model initialised the same way (``counter_normal_`` on whole
+tensors, :func:`parallel3d.models.llama.sharded_init.init_llama_`), not one from
+``Llama.reset_parameters``.
 """
 
 from __future__ import annotations
@@ -24,51 +35,46 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
 import torch
 
-_GAMMA = 0x9E3779B97F4A7C15
-_C1 = 0xBF58476D1CE4E5B9
-_C2 = 0x94D049BB133111EB
-_CHUNK = 1 << 22  # elements per pass, to bound the int64/float64 temporaries
-
-
-def _signed(x: int) -> int:
-    """A 64-bit pattern as the int64 torch stores (arithmetic wraps modulo 2^64)."""
-    x &= (1 << 64) - 1
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    z = (z ^ _srl(z, 30)) * _signed(_C1)
-    z = (z ^ _srl(z, 27)) * _signed(_C2)
-    return z ^ _srl(z, 31)
-
-
-def _uniform(key: int, counter: torch.Tensor) -> torch.Tensor:
-    h = _mix(key + counter * _signed(_GAMMA))
-    return (_srl(h, 11).double() + 0.5) * 2.0 ** -53  # (0, 1), never 0 for the log
+_CHUNK = 1 << 18  # elements generated per pass: bounds the host temporaries (~12 MB)
 
 
 def stream_key(seed: int, name: str) -> int:
-    """A stable 64-bit key per (seed, parameter name) (Python's ``hash`` is salted)."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return _signed(int.from_bytes(digest, "little"))
+    """A stable 128-bit Philox key per (seed, parameter name) (Python's ``hash`` is salted)."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=16).digest(), "little")
 
 
-def _flat_index(full_shape, offsets, shape, device) -> torch.Tensor:
-    """Flat index in ``full_shape`` of every element of the block at ``offsets``."""
-    index = torch.zeros((), dtype=torch.int64, device=device)
-    stride = 1
-    for d in reversed(range(len(full_shape))):
-        ar = torch.arange(offsets[d], offsets[d] + shape[d], dtype=torch.int64, device=device)
-        index = index + (ar * stride).view(-1, *([1] * (len(full_shape) - 1 - d)))
-        stride *= full_shape[d]
-    return index
+def normal_run(key: int, start: int, count: int) -> torch.Tensor:
+    """The N(0, 1) values of flat elements ``[start, start + count)`` of the stream
+    ``key``, as float64 (see the module docstring). Works in place on two buffers of
+    ``2 * count`` words (the raw draws, then the uniforms): 32 bytes per element."""
+    first = 2 * start  # element n uses draws 2n and 2n + 1
+    gen = np.random.Philox(key=key, counter=first // 4)
+    raw = gen.random_raw(first % 4 + 2 * count)[first % 4:]
+    np.right_shift(raw, np.uint64(40), out=raw)  # the top 24 bits of each draw
+    u = torch.from_numpy(raw.view(np.int64)).double().view(count, 2)
+    del raw
+    u.add_(0.5).mul_(2.0 ** -24)
+    u0, u1 = u[:, 0], u[:, 1]
+    u0.log_().mul_(-2.0).sqrt_()
+    u1.mul_(2.0 * math.pi).cos_()
+    return u0.mul_(u1)
+def _runs(full_shape, dim, start, shape):
+    """``(flat start in the full tensor, count, flat start in the block)`` of the
+    contiguous runs that make up the block ``shape`` starting at ``start`` along
+    ``dim`` (the whole tensor if ``dim`` is None)."""
+    inner = math.prod(full_shape[1:]) if len(full_shape) > 1 else 1
+    if dim is None or dim == 0:
+        offset = start * inner if dim == 0 else 0
+        yield offset, math.prod(shape), 0
+        return
+    if dim != len(full_shape) - 1 or len(full_shape) != 2:
+        raise ValueError(f"counter_normal_: a split along dim {dim} of a {len(full_shape)}-D tensor")
+    width = shape[1]
+    for r in range(shape[0]):
+        yield r * full_shape[1] + start, width, r * width
 
 
 @torch.no_grad()
@@ -76,41 +82,64 @@ def counter_normal_(t: torch.Tensor, std: float, *, seed: int, name: str,
                     full_shape=None, dim: int | None = None, start: int = 0) -> torch.Tensor:
     """Fill ``t`` with N(0, std^2) values that depend only on (seed, name, index in the
     full tensor). ``t`` is the block of the full tensor (``full_shape``, default
-    ``t.shape``) that starts at ``start`` along ``dim`` (the whole tensor if None)."""
+    ``t.shape``) that starts at ``start`` along ``dim`` (the whole tensor if None);
+    a row-parallel block (``dim`` = 1 of a matrix) is generated row by row."""
     full_shape = tuple(full_shape or t.shape)
-    offsets = [0] * t.dim()
-    if dim is not None:
-        offsets[dim] = start
     key = stream_key(seed, name)
-    rows = max(1, _CHUNK // max(1, t[0].numel() if t.dim() else 1))
-    for r0 in range(0, t.shape[0] if t.dim() else 1, rows):
-        block = t[r0:r0 + rows] if t.dim() else t
-        off = list(offsets)
-        if t.dim():
-            off[0] += r0
-        n = _flat_index(full_shape, off, block.shape, t.device)
-        u0, u1 = _uniform(key, 2 * n), _uniform(key, 2 * n + 1)
-        z = torch.sqrt(-2.0 * torch.log(u0)) * torch.cos(2.0 * math.pi * u1)
-        block.copy_(z * std)
+    flat = t.view(-1)
+    pending, at, queued = [], 0, 0  # small runs are batched into one host-to-device copy
+
+    def flush():
+        nonlocal pending, queued
+        if pending:
+            values = torch.cat(pending) if len(pending) > 1 else pending[0]
+            flat[at:at + queued].copy_((values * std).to(t.dtype))
+        pending, queued = [], 0
+
+    for src, count, dst in _runs(full_shape, dim, start, tuple(t.shape)):
+        for lo in range(0, count, _CHUNK):
+            n = min(_CHUNK, count - lo)
+            if dst + lo != at + queued or queued + n > _CHUNK:
+                flush()
+                at = dst + lo
+            pending.append(normal_run(key, src + lo, n))
+            queued += n
+    flush()
     return t
 
 
 @torch.no_grad()
-def materialize_(module: torch.nn.Module, device) -> torch.nn.Module:
+def materialize_(module: torch.nn.Module, device, dtype: torch.dtype | None = None,
+                 storage: dict | None = None) -> dict[int, torch.nn.Parameter]:
     """Allocate (uninitialised) every meta parameter and buffer of ``module`` on
-    ``device``, in place. Unlike ``Module.to_empty`` it keeps tied parameters tied and
-    keeps the attributes parameters carry (``p3d_tp_dim`` and the others)."""
+    ``device`` (floating-point ones in ``dtype`` when given), in place; a parameter
+    whose ``id`` is in ``storage`` becomes that tensor instead (a view of a flat buffer,
+    say). Unlike ``Module.to_empty`` it keeps tied parameters tied and keeps the
+    attributes parameters carry (``p3d_tp_dim`` and the others). Returns ``{id(old):
+    new}`` for the parameters it replaced."""
     done: dict[int, torch.nn.Parameter] = {}
+    storage = storage or {}
     for sub in module.modules():
         for key, p in list(sub._parameters.items()):
-            if p is None:
+            if p is None or not p.is_meta:
                 continue
             if id(p) not in done:
-                new = torch.nn.Parameter(torch.empty_like(p, device=device), p.requires_grad)
+                if id(p) in storage:
+                    view = storage[id(p)]
+                    # a parameter of its own, then pointed at the view: a Parameter made
+                    # from the view itself would share the whole buffer's version counter,
+                    # and every write into the buffer (a ZeRO all-gather landing during the
+                    # forward) would invalidate what autograd saved of every parameter
+                    new = torch.nn.Parameter(torch.empty(0, dtype=view.dtype, device=view.device),
+                                             p.requires_grad)
+                    new.data = view
+                else:
+                    kind = dtype if dtype is not None and p.is_floating_point() else p.dtype
+                    new = torch.nn.Parameter(torch.empty_like(p, device=device, dtype=kind), p.requires_grad)
                 new.__dict__.update(p.__dict__)
                 done[id(p)] = new
             sub._parameters[key] = done[id(p)]
         for key, b in list(sub._buffers.items()):
             if b is not None and b.is_meta:
                 sub._buffers[key] = torch.empty_like(b, device=device)
-    return module
+    return done

@@ -19,7 +19,10 @@ know (the gradient sync below, the global grad norm, ZeRO, checkpoints):
     p.p3d_norm_owner    False on all holders of a shared parameter but the first, so
                         ``global_grad_norm`` counts it once
 
-The matmul goes through :func:`_linear`, the one place that chooses the kernel.
+The GEMMs go through ``parallel3d.kernels.gemm`` (``backend``: auto, triton or torch,
+chosen per GEMM there). Gradient-accumulation fusion: a weight that carries an fp32
+``main_grad`` tensor (same shape, contiguous, on its device: set by an optimizer) gets
+its weight gradient added into it by the wgrad GEMM, in fp32, and no ``.grad``.
 A layer built by its constructor has uninitialised weights (``torch.empty``, like any
 meta-device build): take the slices of a dense layer with ``from_dense``, or fill the
 shards with :func:`parallel3d.tensor_parallel.init.counter_normal_`.
@@ -33,28 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import (copy_to_tp_region, gather_from_sequence, gather_from_tp_region, group_rank,
-                   group_size, reduce_from_tp_region, reduce_scatter_to_sequence,
-                   scatter_to_tp_region)
+from parallel3d.kernels.gemm import BACKENDS
+from parallel3d.kernels.gemm import linear as _kernel_linear
 
-try:  # the Triton GEMM; without triton installed only the torch path exists
-    from parallel3d.kernels.linear import linear as _kernel_linear
-except ImportError:  # pragma: no cover - triton is in the test extras
-    _kernel_linear = None
-
-BACKENDS = ("auto", "triton", "torch")
+from .column import SharedInput, column_parallel_forward
+from .comm import (gather_from_tp_region, group_rank, group_size, reduce_from_tp_region,
+                   reduce_scatter_to_sequence, scatter_to_tp_region)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             backend: str) -> torch.Tensor:
-    """``x A^T + b``: the single call site of the GEMM for the parallel layers.
-
-    ``parallel3d.kernels.linear``: "auto" runs the Triton kernels on CUDA tensors and
-    the torch reference on CPU tensors, "triton" / "torch" force one."""
-    if _kernel_linear is None:
-        if backend == "triton":
-            raise ValueError("linear backend 'triton' needs triton installed (pip install triton)")
-        return F.linear(x, weight, bias)
+    """``x A^T + b`` of the row-parallel layer (``parallel3d.kernels.gemm.linear``)."""
+    main_grad = getattr(weight, "main_grad", None)
     device = x.device.type
     if torch.is_autocast_enabled(device):
         # What autocast does for F.linear: the GEMM runs in the autocast dtype (the casts
@@ -63,8 +56,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x, weight = x.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(device, enabled=False):
-            return _kernel_linear(x, weight, bias, backend=backend)
-    return _kernel_linear(x, weight, bias, backend=backend)
+            return _kernel_linear(x, weight, bias, main_grad, backend)
+    return _kernel_linear(x, weight, bias, main_grad, backend)
 
 
 def padded_size(size: int, tp: int) -> int:
@@ -99,6 +92,15 @@ def mark_replicated(p: nn.Parameter, tp_rank: int, tp: int, partial_grad: bool) 
     p.p3d_norm_owner = tp_rank == 0
 
 
+def tp_coords(group, tp: int | None, tp_rank: int | None) -> tuple[int, int]:
+    """``(tp, tp_rank)``: as given (the topology's), else read from ``group``. Given, a
+    shard can be laid out without any process group (a dry run builds ranks' modules on
+    the meta device from coordinates alone)."""
+    if tp is None:
+        return group_size(group), group_rank(group)
+    return tp, tp_rank
+
+
 def _check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"linear backend '{backend}': expected one of {BACKENDS}")
@@ -112,15 +114,16 @@ class ColumnParallelLinear(nn.Module):
 
     What crosses the wire (group of p ranks):
 
-    * forward: nothing, ``X`` is replicated (``copy_to_tp_region``); under sequence
-      parallelism each rank holds (B, S/p, in) and ``X`` is all-gathered along S.
+    * forward: nothing, ``X`` is replicated; under sequence parallelism each rank holds
+      (B, S/p, in) and ``X`` is all-gathered along S.
     * backward: ``dX = sum_r dY_r A_r`` is all-reduced (reduce-scattered along S under
-      sequence parallelism).
+      sequence parallelism), started before the wgrad GEMM and waited for after it
+      (:mod:`parallel3d.tensor_parallel.column`).
     * ``gather_output=True`` all-gathers ``Y`` to (B, S, out) (backward: split).
 
-    ``communicate_input=False`` skips the input communication: the caller has already
-    entered the tensor-parallel region once for several layers reading the same ``X``
-    (q, k and v; gate and up), so the wire carries ``X`` once, not once per layer.
+    Layers reading the same ``X`` (q, k and v; gate and up) are tied by
+    :func:`share_input`: the first one called computes all of them in one node, so the
+    wire carries ``X`` once and one reduction of the summed dX overlaps all their wgrads.
 
     ``rows=(start, stop)`` takes any block of rows instead of the even split: kv-heads
     replicated over ``shared`` ranks when tp exceeds their number. Weight attributes:
@@ -129,20 +132,22 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 communicate_input: bool = True, rows: tuple[int, int] | None = None,
-                 shared: int = 1, backend: str = "auto", device=None, dtype=None):
+                 rows: tuple[int, int] | None = None,
+                 shared: int = 1, backend: str = "auto", device=None, dtype=None,
+                 tp: int | None = None, tp_rank: int | None = None):
         super().__init__()
         _check_backend(backend)
-        tp, tp_rank = group_size(group), group_rank(group)
+        tp, tp_rank = tp_coords(group, tp, tp_rank)
         rows = rows or even_range(out_features, tp_rank, tp)
         if gather_output and (shared != 1 or rows != even_range(out_features, tp_rank, tp)):
             raise ValueError("gather_output needs the even split of the output rows")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.backend = group, backend
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.communicate_input = communicate_input
+        self.shared_input: SharedInput | None = None  # set by share_input
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(rows[1] - rows[0], in_features, **factory))
+        self.weight.p3d_takes_main_grad = True  # its GEMM honours an fp32 main_grad
         mark_sharded(self.weight, 0, rows, out_features, tp_rank, shared)
         self.bias = None
         if bias:
@@ -166,12 +171,10 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.communicate_input:
-            if self.sequence_parallel:
-                x = gather_from_sequence(x, self.group)  # (B, S/p, in) -> (B, S, in)
-            else:
-                x = copy_to_tp_region(x, self.group)  # (B, S, in), dX all-reduced
-        y = _linear(x, self.weight, self.bias, self.backend)  # (B, S, out/p)
+        if self.shared_input is not None:
+            y = self.shared_input.output(self, x)  # (B, S, out/p)
+        else:
+            (y,) = column_parallel_forward(x, [self], self.group, self.sequence_parallel, self.backend)
         if self.gather_output:
             y = gather_from_tp_region(y, self.group)  # (B, S, out)
         return y
@@ -201,20 +204,27 @@ class RowParallelLinear(nn.Module):
     The bias is added once, after the reduction, and is replicated (``p3d_tp_dim`` None,
     counted once in the norm; under sequence parallelism its gradient is partial). Weight
     attributes: ``p3d_tp_dim = 1``.
+
+    The partial sum is the GEMM's own output, so it is all-reduced in place (no copy);
+    ``reduce_in_place = False`` (set by selective recomputation, whose checkpoint keeps
+    that output) reduces a copy instead.
     """
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 backend: str = "auto", device=None, dtype=None):
+                 backend: str = "auto", device=None, dtype=None,
+                 tp: int | None = None, tp_rank: int | None = None):
         super().__init__()
         _check_backend(backend)
-        tp, tp_rank = group_size(group), group_rank(group)
+        tp, tp_rank = tp_coords(group, tp, tp_rank)
         cols = even_range(in_features, tp_rank, tp)
         self.in_features, self.out_features = in_features, out_features
         self.group, self.backend = group, backend
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.reduce_in_place = True
         factory = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, cols[1] - cols[0], **factory))
+        self.weight.p3d_takes_main_grad = True  # its GEMM honours an fp32 main_grad
         mark_sharded(self.weight, 1, cols, in_features, tp_rank)
         self.bias = None
         if bias:
@@ -239,7 +249,7 @@ class RowParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)  # (B, S/p, out)
         else:
-            y = reduce_from_tp_region(y, self.group)  # (B, S, out)
+            y = reduce_from_tp_region(y, self.group, inplace=self.reduce_in_place)  # (B, S, out)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -262,9 +272,10 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group, *,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None,
+                 tp: int | None = None, tp_rank: int | None = None):
         super().__init__()
-        tp, tp_rank = group_size(group), group_rank(group)
+        tp, tp_rank = tp_coords(group, tp, tp_rank)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padded_num_embeddings = padded_size(num_embeddings, tp)
         self.group, self.sequence_parallel = group, sequence_parallel
@@ -292,7 +303,7 @@ class VocabParallelEmbedding(nn.Module):
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(h, self.group)  # (B, S/p, H)
-        return reduce_from_tp_region(h, self.group)  # (B, S, H)
+        return reduce_from_tp_region(h, self.group, inplace=True)  # (B, S, H); h is ours
 
     def extra_repr(self) -> str:
         return (f"vocab={self.num_embeddings} (padded {self.padded_num_embeddings}), "
@@ -300,23 +311,20 @@ class VocabParallelEmbedding(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
-class _EnterRegion:
-    """Forward pre-hook: the module's first input enters the tensor-parallel region."""
-
-    def __init__(self, group, sequence_parallel: bool):
-        self.group, self.sequence_parallel = group, sequence_parallel
-
-    def __call__(self, module, args):
-        x = args[0]
-        if self.sequence_parallel:
-            x = gather_from_sequence(x, self.group)  # (B, S/p, H) -> (B, S, H)
-        else:
-            x = copy_to_tp_region(x, self.group)  # (B, S, H); dX all-reduced in backward
-        return (x, *args[1:])
-
-
-def enter_tensor_parallel_region(module: nn.Module, group, sequence_parallel: bool) -> None:
-    """Communicate ``module``'s first input once for all the column-parallel layers
-    inside it (built with ``communicate_input=False``): attention reads one ``X`` in q, k
-    and v, the MLP in gate and up. A forward pre-hook, so parameter names do not change."""
-    module.register_forward_pre_hook(_EnterRegion(group, sequence_parallel))
+def share_input(module: nn.Module, *layers: ColumnParallelLinear) -> None:
+    """Tie column-parallel layers inside ``module`` that always read ``module``'s input
+    (q, k, v in attention; gate, up in the MLP): called one by one on it, they are
+    computed in one node (one gather under sequence parallelism, one overlapped dX
+    reduction). Under sequence parallelism a forward pre-hook on ``module`` hands it the
+    gathered input. Parameter names do not change."""
+    first = layers[0]
+    for layer in layers:
+        same = (layer.group is first.group and layer.sequence_parallel == first.sequence_parallel
+                and layer.backend == first.backend and layer.in_features == first.in_features)
+        if not same or layer.gather_output or layer.shared_input is not None:
+            raise ValueError("share_input: layers need the same group, sequence_parallel, backend "
+                             "and in_features, no gather_output, and no earlier share_input")
+    shared = SharedInput(layers)
+    for layer in layers:
+        layer.shared_input = shared
+    module.register_forward_pre_hook(shared)

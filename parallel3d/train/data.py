@@ -5,21 +5,34 @@ embedded stdlib corpus is prepared (once per node: local rank 0 builds the cache
 others wait at a barrier) into the same format. Either way training reads one format
 (:mod:`parallel3d.data.format`) through one sampler and one loader.
 
+``data.packing`` picks the windows (:mod:`parallel3d.data.packing`): plain text under
+"concat" reads :class:`TokenWindows` (pairs of inputs and targets, as always); chat data
+(a loss mask) and packing by document read :class:`PackedWindows`.
+
 The validation split is read by a second sampler whose positions are fixed
 (``[0, eval.batches * G)`` of its own permutation), so every evaluation sees the same
 sequences and its losses are comparable across steps.
+
+Every batch's ids are checked against the model's vocabulary before it is built, and the
+shards' sha256 are verified (before training for small data, else in the background):
+:mod:`parallel3d.data.checks`.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from parallel3d.config import DataConfig, JobConfig
+from parallel3d.data.checks import SMALL_DATA_BYTES, IdRangeCheck, ShardVerifier, dataset_bytes
 from parallel3d.data.format import PreparedDataset, open_dataset
-from parallel3d.data.loader import PrefetchLoader
+from parallel3d.data.batch import MicroBatch
+from parallel3d.data.loader import PrefetchLoader, step_micro_batches
+from parallel3d.data.packing import PackedWindows
 from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
 from parallel3d.data.stdlib import EOS, prepare_stdlib
 from parallel3d.data.tokenizer import check_same_tokenizer
@@ -55,11 +68,54 @@ class TrainData:
     val_windows: TokenWindows | None
     val_sampler: GlobalBatchSampler | None
     device: torch.device
+    verifier: ShardVerifier | None = None
+    val_check: Callable[[int], None] | None = None
 
-    def val_micro_batches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_micro_batches(self, batch: int) -> list:
         """This rank's micro-batches of validation batch ``batch`` (0-based), on the device."""
-        idx = self.val_sampler.indices_at(batch * self.val_sampler.global_batch)
-        return [tuple(t.to(self.device) for t in self.val_windows.batch(i)) for i in idx]
+        position = batch * self.val_sampler.global_batch
+        if self.val_check is not None:
+            self.val_check(position)
+        return [mb.to(self.device) if isinstance(mb, MicroBatch) else tuple(t.to(self.device) for t in mb)
+                for mb in step_micro_batches(self.val_windows, self.val_sampler, position)]
+
+
+def packing_of(cfg: DataConfig, dataset: PreparedDataset) -> str:
+    """``data.packing`` (checked by ``setup.check_data_source``) resolved for ``dataset``
+    ("auto": whole for chat data, else concat)."""
+    packing = cfg.packing
+    if packing == "auto":
+        packing = "whole" if dataset.has_loss_mask else "concat"
+    if packing != "concat" and not dataset.has_documents:
+        raise UserError(f"data.packing '{packing}' needs the document starts that prepare-data "
+                        f"records since format version 2; '{dataset.dir}' is older: prepare it again "
+                        "(or use data.packing=concat)")
+    return packing
+
+
+def make_windows(dataset: PreparedDataset, split: str, seq_len: int, packing: str, what: str):
+    """The samples of ``split``: :class:`TokenWindows` for plain text under "concat" (the
+    path of every earlier version), else :class:`PackedWindows`."""
+    tokens = dataset.split(split)
+    if packing == "concat" and not dataset.has_loss_mask:
+        return TokenWindows(tokens, seq_len, what=what)
+    starts = dataset.document_starts(split) if dataset.has_documents else None
+    mask = dataset.loss_mask(split) if dataset.has_loss_mask else None
+    return PackedWindows(tokens, seq_len, starts=starts, mask=mask, separate=packing != "concat",
+                         whole=packing == "whole", pad_id=dataset.eos_id, what=what)
+
+
+def start_verifier(dataset: PreparedDataset, topo: Topology, device: torch.device) -> ShardVerifier:
+    """Hash the shards (this rank's share); small data is agreed on before training
+    starts, larger data is polled at each step by the loader."""
+    small = dataset_bytes(dataset) <= SMALL_DATA_BYTES
+    group = None
+    if not small and dist.is_initialized() and topo.world_size > 1:
+        group = dist.new_group(backend="gloo")  # CPU flags, apart from the training groups
+    verifier = ShardVerifier(dataset, topo.rank, topo.world_size, group)
+    if small:
+        verifier.agree_now(device)
+    return verifier
 
 
 def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
@@ -72,21 +128,31 @@ def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
     if cfg.model.hf_checkpoint:  # fine-tuning: the ids must mean the model's tokens
         check_same_tokenizer(dataset, cfg.model.hf_checkpoint)
     train = cfg.train
-    windows = TokenWindows(dataset.split("train"), train.seq_len, what="the training split")
+    packing = packing_of(cfg.data, dataset)
+    windows = make_windows(dataset, "train", train.seq_len, packing, "the training split")
     sampler = GlobalBatchSampler(windows.num_samples, train.global_batch, train.micro_batch,
                                  topo.dp, topo.dp_rank, train.seed, dataset.fingerprint)
-    loader = PrefetchLoader(windows, sampler, device, depth=cfg.data.prefetch)
+    verifier = start_verifier(dataset, topo, device)
+    loader = PrefetchLoader(windows, sampler, device, depth=cfg.data.prefetch,
+                            check=IdRangeCheck(windows, sampler, model_vocab),
+                            before_step=verifier.poll)
     val_windows = val_sampler = None
     if cfg.eval.interval > 0:
-        val_tokens = dataset.split("val")
         need = cfg.eval.batches * train.global_batch
+        val_tokens = dataset.split("val")
         have = max(0, (len(val_tokens) - 1) // train.seq_len)
+        if have:
+            val_windows = make_windows(dataset, "val", train.seq_len, packing, "the validation split")
+            have = val_windows.num_samples
         if have < need:
             raise UserError(
                 f"the validation split holds {have} sequences of train.seq_len {train.seq_len}, fewer "
                 f"than eval.batches {cfg.eval.batches} * train.global_batch {train.global_batch} = {need}: "
                 "lower eval.batches, or hold out more (data.val_fraction, prepare-data --val-fraction)")
-        val_windows = TokenWindows(val_tokens, train.seq_len, what="the validation split")
         val_sampler = GlobalBatchSampler(val_windows.num_samples, train.global_batch, train.micro_batch,
                                          topo.dp, topo.dp_rank, train.seed, dataset.fingerprint)
-    return TrainData(dataset, windows, sampler, loader, val_windows, val_sampler, device)
+    data = TrainData(dataset, windows, sampler, loader, val_windows, val_sampler, device, verifier,
+                     IdRangeCheck(val_windows, val_sampler, model_vocab, "validation split")
+                     if val_windows is not None else None)
+    weakref.finalize(data, verifier.close)  # no hashing left behind a finished run
+    return data

@@ -1,59 +1,213 @@
-"""``parallel3d train RECIPE --dry-run``: check a whole job without starting it.
+"""``parallel3d train RECIPE --dry-run [--gpu NAME]``: check a whole job without starting it.
 
 Runs every check the workers would run, at the recipe's own world size
-(``launch.nnodes * launch.nproc``, or torchrun's ``WORLD_SIZE``), builds the model on the
-meta device (shapes only: no weight is allocated), and prints the layout, the stage split
-and the planner's per-rank memory estimate. It creates no process group and starts no
-worker, so a 512-rank job checks in about a second.
+(``launch.nnodes * launch.nproc``, or torchrun's ``WORLD_SIZE``), and prints the layout,
+the stage split and, per pipeline stage, what one rank holds. It creates no process group
+and starts no worker, so a 512-rank job checks in seconds.
+
+The parameters of a stage are counted on the rank's own modules: the plain model is
+built on the meta device (shapes only, no memory) and parallelized with that rank's
+coordinates (a :class:`~parallel3d.topology.Topology` without process groups), exactly as
+training builds it. The first, a middle and the last stage are built (and the fullest,
+if another), at tp rank 0 and dp rank 0: every tp rank of a stage holds as many
+parameters, and the dp ranks are copies. What a rank holds counts its real memory:
+vocabulary rows padding the embedding and the head to a multiple of tp, the norms every
+tp rank keeps whole, and with tied embeddings under pp > 1 the last stage's copy of the
+embedding. Over one tp x pp slice, leaving those out, the counts add up to the model's
+own (:func:`count_params`; ``tests/test_recipes_dryrun.py`` builds every rank of small
+models and checks it).
+
+Bytes per parameter held (the trainer's storage):
+
+    weights     2 (bf16) when train.dtype is bf16 (or auto on CUDA), else 4 (fp32)
+    gradients   4 (fp32 accumulation); divided by dp at ZeRO 2
+    optimizer   8 (Adam's two fp32 moments) + 4 (fp32 master weights, bf16 only);
+                divided by dp at ZeRO 1 and 2
+
+Activations and step buffers are the planner's estimate (:mod:`parallel3d.planner.memory`)
+at its peak; ``--gpu NAME`` (or ``--gpu-spec``) then says, per stage, whether that fits
+the GPU with the planner's fragmentation margin, and by how much.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from parallel3d.config import JobConfig
 from parallel3d.models.llama import Llama
-from parallel3d.planner.memory import memory_per_stage
+from parallel3d.models.llama.parallelize import parallelize_llama
+from parallel3d.planner.hardware import FRAGMENTATION, GPU, usable_bytes
+from parallel3d.planner.memory import StageMemory, memory_per_stage
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
-from parallel3d.topology import RankGrid
+from parallel3d.topology import RankGrid, Topology
 from parallel3d.train.setup import check_job, resolve_model_config
 
 GiB = 2**30
+VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 
 
-def memory_dtype(cfg: JobConfig) -> str:
+def memory_dtype(cfg: JobConfig, gpu_target: bool = False) -> str:
     """The precision the job will train in: ``train.dtype``, with ``auto`` resolved as the
-    trainer does (bf16 on CUDA, which ``launch.backend = "nccl"`` implies; fp32 on CPU)."""
+    trainer does (bf16 on CUDA, which ``launch.backend = "nccl"`` or a named GPU implies;
+    fp32 on CPU)."""
     if cfg.train.dtype != "auto":
         return cfg.train.dtype
-    on_cuda = cfg.launch.backend == "nccl" or (cfg.launch.backend == "auto" and torch.cuda.is_available())
+    on_cuda = gpu_target or cfg.launch.backend == "nccl" or (
+        cfg.launch.backend == "auto" and torch.cuda.is_available())
     return "bf16" if on_cuda else "fp32"
 
 
-def dry_run(cfg: JobConfig, world_size: int, out=print) -> dict:
-    """Check ``cfg`` at ``world_size`` and report; returns what it found (for tests)."""
-    model_cfg = resolve_model_config(cfg.model)
-    check_job(cfg, model_cfg, world_size)
-    par, train = cfg.parallel, cfg.train
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of one rank's modules (elements)."""
+
+    held: int  # every element the rank stores: its memory
+    padding: int  # of those, rows padding the vocabulary to a multiple of tp
+    copies: int  # of those, elements another rank of the slice counts (p3d_norm_owner False)
+
+    @property
+    def owned(self) -> int:
+        """Elements of the unsplit model this rank accounts for: summed over one tp x pp
+        slice, the model's parameter count."""
+        return self.held - self.padding - self.copies
+
+
+def count_params(module: torch.nn.Module, vocab_size: int) -> ParamCount:
+    """Count ``module``'s parameters (each tensor once, as ``named_parameters`` gives them).
+
+    A parameter several ranks hold (a norm on every tp rank, a kv-head replicated over tp
+    ranks, the tied embedding on the first and the last stage) is marked
+    ``p3d_norm_owner = False`` on all holders but one; those are the copies. Padding: the
+    rows of the vocabulary-parallel embedding and head at or past ``vocab_size``."""
+    held = padding = copies = 0
+    for name, p in module.named_parameters():
+        n = p.numel()
+        held += n
+        row_padding = 0
+        if name.endswith(VOCAB_PARAMS):
+            start, stop = getattr(p, "p3d_tp_range", None) or (0, p.shape[0])
+            row_padding = max(0, stop - max(start, vocab_size)) * p.shape[1]
+        padding += row_padding
+        if getattr(p, "p3d_norm_owner", True) is False:
+            copies += n - row_padding
+    return ParamCount(held, padding, copies)
+
+
+def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_rank: int = 0):
+    """This rank's model as training builds it, on the meta device (no memory)."""
+    par = cfg.parallel
     grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp)
+    topo = Topology(par.tp, par.pp, par.dp, rank=grid.rank_of(tp_rank, pp_rank, 0),
+                    world_size=world_size, create_groups=False)
     with torch.device("meta"):
         model = Llama(model_cfg)
-    n_params = sum(p.numel() for p in model.parameters())
+    module, _ = parallelize_llama(model, topo, par)
+    return module
 
-    layout = Layout.from_config(cfg)
-    work = Workload(model_cfg, train.seq_len, train.global_batch, memory_dtype(cfg))
-    # The stage split training will use: parallel.pp_layers, else the pipeline's rule.
-    split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers)
-    stages = memory_per_stage(work, layout, split)
 
-    nodes = cfg.launch.nnodes
-    out(f"dry run: {world_size} ranks ({nodes} node{'s' if nodes > 1 else ''} x {world_size // nodes}), "
-        f"model {n_params / 1e9:.3f}B parameters (built on the meta device, nothing allocated)")
-    out(f"layout: tp {par.tp} x pp {par.pp} x dp {par.dp}; schedule {par.schedule}"
-        f"{f' x{par.virtual_stages} virtual stages' if par.virtual_stages > 1 else ''}; zero {par.zero}; "
-        f"recompute {train.recompute}; sequence parallel {'on' if par.sequence_parallel else 'off'}")
-    out(f"batch: {train.global_batch} sequences of {train.seq_len} tokens per step = "
-        f"{layout.n_micro(work)} micro-batches of {train.micro_batch} per dp rank; precision {work.dtype}")
+@dataclass(frozen=True)
+class StateBytes:
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer
+
+
+def state_bytes(held: int, dtype: str, zero: int, dp: int) -> StateBytes:
+    """Bytes of weights, gradients and optimizer state for ``held`` parameters (the table
+    in the module docstring)."""
+    shard = -(-held // dp)  # ceil: the flat buffers are padded to a multiple of dp
+    bf16 = dtype == "bf16"
+    grads = 4 * (shard if zero >= 2 else held)
+    optimizer = (8 + (4 if bf16 else 0)) * (shard if zero >= 1 else held)
+    return StateBytes((2 if bf16 else 4) * held, grads, optimizer)
+
+
+@dataclass
+class StageReport:
+    stage: int
+    params: ParamCount
+    states: StateBytes
+    planned: StageMemory  # the planner's stage: activations and buffers
+
+    @property
+    def transient(self) -> tuple[int, int]:
+        """(activations, buffers) at the larger of the planner's two moments: the start of
+        a backward pass (saved activations, the loss's or a recomputed layer's buffers) and
+        the optimizer step (its temporaries, no activations)."""
+        p = self.planned
+        if p.activations + p.backward_transient >= p.step_transient:
+            return p.activations, p.backward_transient
+        return 0, p.step_transient
+
+    @property
+    def peak(self) -> int:
+        """Model states (from the modules, gradients all held) plus :attr:`transient`."""
+        return self.states.total + sum(self.transient)
+
+
+def built_stages(pp: int, planned: list[StageMemory]) -> list[int]:
+    """First, middle and last pipeline stage, and the planner's fullest if another."""
+    fullest = max(planned, key=lambda s: s.peak).stage
+    return sorted({0, pp // 2, pp - 1, fullest})
+
+
+def stage_reports(cfg: JobConfig, model_cfg, world_size: int, planned: list[StageMemory],
+                  dtype: str) -> list[StageReport]:
+    par = cfg.parallel
+    out = []
+    for stage in built_stages(par.pp, planned):
+        params = count_params(rank_modules(cfg, model_cfg, world_size, stage), model_cfg.vocab_size)
+        out.append(StageReport(stage, params, state_bytes(params.held, dtype, par.zero, par.dp),
+                               planned[stage]))
+    return out
+
+
+def _fit(peak: int, gpu: GPU) -> str:
+    need, budget = int(peak * (1 + FRAGMENTATION)), usable_bytes(gpu)
+    if need <= budget:
+        return f"fits, {(budget - need) / GiB:.1f} GiB to spare"
+    return f"DOES NOT FIT, {(need - budget) / GiB:.1f} GiB over"
+
+
+def stage_table(reports: list[StageReport], pp: int, gpu: GPU | None) -> tuple[str, list[str]]:
+    """(the unit, the table's lines): GiB, or MiB when every stage is under 1 GiB."""
+    unit, scale = ("GiB", GiB) if max(r.peak for r in reports) >= GiB else ("MiB", 2**20)
+    size = lambda n: f"{n / scale:.2f}"  # noqa: E731
+    names = {0: "first", pp - 1: "last"}
+    head = (f"  {'stage':12s} {'params':>13s} {'weights':>8s} {'grads':>8s} {'optim.':>8s} |"
+            f" {'activ.':>8s} {'buffers':>8s} | {'peak':>8s}")
+    if gpu is not None:
+        head += f"  {gpu.name} ({usable_bytes(gpu) / GiB:.1f} GiB usable, {FRAGMENTATION:.0%} margin)"
+    lines = [head]
+    for r in reports:
+        label = f"{r.stage} ({names.get(r.stage, 'middle')})" if pp > 1 else "0 (all)"
+        s, (acts, buffers) = r.states, r.transient
+        line = (f"  {label:12s} {r.params.held:13,d} {size(s.weights):>8s} {size(s.grads):>8s} "
+                f"{size(s.optimizer):>8s} | {size(acts):>8s} {size(buffers):>8s} | {size(r.peak):>8s}")
+        if gpu is not None:
+            line += "  " + _fit(r.peak, gpu)
+        lines.append(line)
+    return unit, lines
+
+
+def _bytes_legend(dtype: str, zero: int, dp: int) -> str:
+    bf16 = dtype == "bf16"
+    shard = f" / dp {dp}"
+    return (f"weights {2 if bf16 else 4} B/param ({dtype}), grads 4 B (fp32){shard if zero >= 2 else ''}, "
+            f"optimizer {'8 B Adam + 4 B fp32 master' if bf16 else '8 B Adam'}{shard if zero >= 1 else ''} "
+            f"(zero {zero})")
+
+
+def _print_split(cfg: JobConfig, split: list[int], out) -> None:
+    par = cfg.parallel
+    grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp)
+    chunks_total = par.pp * par.virtual_stages
     out("stage split" + (" (parallel.pp_layers)" if par.pp_layers else " (balanced rule)") + ":")
     first = 0
     bounds = []
@@ -65,12 +219,41 @@ def dry_run(cfg: JobConfig, world_size: int, out=print) -> dict:
         spans = ", ".join(f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
                           for lo, hi in (bounds[c] for c in chunks))
         ranks = grid.group_ranks("dp", grid.rank_of(0, r, 0))
-        extra = (" + embedding" if 0 in chunks else "") + (" + head" if layout.chunks - 1 in chunks else "")
+        extra = (" + embedding" if 0 in chunks else "") + (" + head" if chunks_total - 1 in chunks else "")
         out(f"  stage {r} (ranks {ranks[0]}..{ranks[-1] + par.tp - 1}): {spans}{extra}")
-    out("memory per rank (planner estimate, before the GPU fragmentation margin):")
-    for s in stages:
-        phase, states, acts, buffers = s.breakdown()
-        out(f"  stage {s.stage}: peak {s.peak / GiB:.2f} GiB in the {phase} = model states {states / GiB:.2f} GiB "
-            f"({s.params / 1e6:,.1f}M params) + activations {acts / GiB:.2f} GiB "
-            f"({s.in_flight:g} in flight) + buffers {buffers / GiB:.2f} GiB")
-    return {"world_size": world_size, "model": model, "split": split, "stages": stages}
+
+
+def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) -> dict:
+    """Check ``cfg`` at ``world_size`` and report; returns what it found (for tests)."""
+    model_cfg = resolve_model_config(cfg.model)
+    check_job(cfg, model_cfg, world_size)
+    par, train = cfg.parallel, cfg.train
+    with torch.device("meta"):
+        model = Llama(model_cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    layout = Layout.from_config(cfg)
+    dtype = memory_dtype(cfg, gpu_target=gpu is not None)
+    work = Workload(model_cfg, train.seq_len, train.global_batch, dtype)
+    # The stage split training will use: parallel.pp_layers, else the pipeline's rule.
+    split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers)
+    planned = memory_per_stage(work, layout, split)
+
+    nodes = cfg.launch.nnodes
+    out(f"dry run: {world_size} ranks ({nodes} node{'s' if nodes > 1 else ''} x {world_size // nodes}), "
+        f"model {n_params / 1e9:.3f}B parameters (built on the meta device, nothing allocated)")
+    out(f"layout: tp {par.tp} x pp {par.pp} x dp {par.dp}; schedule {par.schedule}"
+        f"{f' x{par.virtual_stages} virtual stages' if par.virtual_stages > 1 else ''}; zero {par.zero}; "
+        f"recompute {train.recompute}; sequence parallel {'on' if par.sequence_parallel else 'off'}")
+    out(f"batch: {train.global_batch} sequences of {train.seq_len} tokens per step = "
+        f"{layout.n_micro(work)} micro-batches of {train.micro_batch} per dp rank; precision {work.dtype}")
+    _print_split(cfg, split, out)
+    reports = stage_reports(cfg, model_cfg, world_size, planned, dtype)
+    unit, table = stage_table(reports, par.pp, gpu)
+    out(f"memory per rank ({unit}): parameters held by the rank's modules (built on the meta device at tp "
+        f"rank 0; vocabulary padding and replicated norms included), {_bytes_legend(dtype, par.zero, par.dp)}; "
+        "activations and buffers from the planner:")
+    for line in table:
+        out(line)
+    return {"world_size": world_size, "model": model, "split": split, "stages": planned,
+            "reports": reports}

@@ -1,12 +1,38 @@
-"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (rank 0), and
-the console line of a step."""
+"""Per-step metrics: one JSON object per line in ``RUN_DIR/metrics.jsonl`` (rank 0), the
+resolved config in ``RUN_DIR/config.json``, and the console line of a step."""
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
+
+import torch
+
+from parallel3d.config import JobConfig, ModelConfig, config_from_dict
+from parallel3d.train.setup import resolve_model_config
+
+_KEEP = ("preset", "hf_checkpoint")  # what names the model; every other field is its shape
+
+
+def resolved_config(cfg: JobConfig) -> JobConfig:
+    """The job as it runs: ``cfg`` with every model field filled from the resolved model
+    (its preset, or the Hugging Face config.json of ``model.hf_checkpoint``), and
+    ``launch.backend`` and ``train.dtype`` resolved from ``auto`` as the workers resolve
+    them (nccl and bf16 on CUDA; gloo and fp32 on CPU). Loaded back, it is the same job."""
+    model = resolve_model_config(cfg.model)
+    out = copy.deepcopy(cfg)
+    for f in fields(ModelConfig):
+        if f.name not in _KEEP:
+            setattr(out.model, f.name, getattr(model, f.name))
+    if out.launch.backend == "auto":
+        out.launch.backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if out.train.dtype == "auto":
+        out.train.dtype = "bf16" if out.launch.backend == "nccl" else "fp32"
+    return out
 
 
 def _extras(record: dict, data_wait_s: float) -> str:
@@ -22,7 +48,8 @@ def _extras(record: dict, data_wait_s: float) -> str:
 
 class MetricsLogger:
     """Appends each step's record to ``metrics.jsonl`` (flushed per line, so a killed run
-    keeps every finished step) and writes the resolved config to ``config.json``.
+    keeps every finished step) and writes the resolved config (:func:`resolved_config`)
+    to ``config.json``.
 
     A ``metrics.jsonl`` left by an earlier run in the same directory is kept, renamed
     with its modification time, never overwritten. A run resumed from a checkpoint at
@@ -39,7 +66,8 @@ class MetricsLogger:
         elif self.path.exists():
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.path.stat().st_mtime))
             self.path.rename(run_dir / f"metrics.{stamp}.jsonl")
-        (run_dir / "config.json").write_text(json.dumps(config, indent=1))
+        resolved = resolved_config(config_from_dict(config)).to_dict()
+        (run_dir / "config.json").write_text(json.dumps(resolved, indent=1))
         self._file = open(self.path, "a", encoding="utf-8")
 
     def _truncate_after(self, step: int) -> None:
@@ -58,6 +86,13 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def log_ranks(self, table: dict) -> None:
+        """One straggler check's per-rank rows (``{"step", "ranks": [...]}``) to
+        ``ranks.jsonl``: the only per-rank output, every ``straggler_interval`` steps, so
+        that a metrics.jsonl record has the same size at any world size."""
+        with open(self.path.parent / "ranks.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(table) + "\n")
 
     @staticmethod
     def show(record: dict, data_wait_s: float = 0.0) -> None:

@@ -8,58 +8,17 @@ worker runs it again (under torchrun there is no launching process of ours).
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from pathlib import Path
 
 from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError, did_you_mean
-from parallel3d.models.llama import PRESETS, LlamaConfig, config_from_preset
+from parallel3d.models.llama import LlamaConfig
+from parallel3d.model_config import resolve_model_config  # noqa: F401 - re-exported
 from parallel3d.models.llama.parallelize import check_tensor_parallel
 from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
 from parallel3d.pipeline.schedules import SCHEDULES
 from parallel3d.topology import validate_layout
-
-
-def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
-    if cfg.hf_checkpoint:
-        return _model_config_from_hf(cfg)
-    if cfg.preset == "hf":
-        raise UserError("model.preset 'hf' takes the model from a Hugging Face folder: set "
-                        "model.hf_checkpoint (--model.hf_checkpoint=DIR, a folder with config.json "
-                        "and *.safetensors)")
-    overrides = {k: v for k, v in asdict(cfg).items() if k != "preset"}
-    try:
-        model_cfg = config_from_preset(cfg.preset, **overrides)
-        model_cfg.validate()
-    except ValueError as e:
-        hint = " or 'hf' (with model.hf_checkpoint)" if cfg.preset not in PRESETS else ""
-        raise UserError(f"{e}{hint}") from None
-    return model_cfg
-
-
-def _model_config_from_hf(cfg: ModelConfig) -> LlamaConfig:
-    """The shape comes from the folder's config.json; a model.* field set as well must agree
-    (init_std excepted: the weights come from the folder)."""
-    from dataclasses import replace
-    from pathlib import Path
-
-    from parallel3d.checkpoint.hf import model_config_from_folder
-
-    folder = Path(cfg.hf_checkpoint)
-    if not folder.is_dir():
-        raise UserError(f"model.hf_checkpoint '{folder}' is not a folder: give a Hugging Face "
-                        "model folder (config.json + safetensors)")
-    model_cfg = model_config_from_folder(folder)
-    for key, value in asdict(cfg).items():
-        if key in ("preset", "hf_checkpoint", "init_std") or value is None:
-            continue
-        if getattr(model_cfg, key) != value:
-            raise UserError(f"model.{key} = {value!r} disagrees with model.hf_checkpoint's config.json "
-                            f"({getattr(model_cfg, key)!r}): drop model.{key}")
-    if cfg.init_std is not None:
-        model_cfg = replace(model_cfg, init_std=cfg.init_std)
-    return model_cfg
 
 
 def _positive(name: str, value) -> None:
@@ -80,12 +39,6 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     validate_layout(par.tp, par.pp, par.dp, world_size)
     check_observability(cfg.observability)
     check_memory_options(cfg)
-    if par.zero == 2 and par.pp > 1 and model.tie_embeddings:
-        # The pipeline sums a tied embedding's gradient over the first and last stage after
-        # the backward; stage 2 has already reduce-scattered it by then, into buckets laid
-        # out differently on the two stages.
-        raise UserError("parallel.zero=2 with parallel.pp > 1 does not support tied embeddings "
-                        "yet: use parallel.zero=1, or model.tie_embeddings=false")
     check_tensor_parallel(model, par.tp)  # heads, kv-heads, MLP width vs tp
     if par.sequence_parallel and train.seq_len % par.tp:
         raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
@@ -130,6 +83,10 @@ def check_data_source(cfg: JobConfig) -> None:
     if data.source not in ("stdlib", "prepared"):
         raise UserError(f"data.source '{data.source}' is not supported: use 'stdlib', or 'prepared' "
                         "with data.path set to a dataset made by `parallel3d prepare-data`")
+    from parallel3d.data.packing import PACKINGS
+
+    if data.packing not in PACKINGS:
+        raise UserError(f"data.packing '{data.packing}' is not supported: use one of {', '.join(PACKINGS)}")
     if data.source == "prepared" and not data.path:
         tokenizer = cfg.model.hf_checkpoint or "MODEL_DIR"
         raise UserError(f"data.source 'prepared' needs data.path: make a dataset with `parallel3d "
@@ -145,6 +102,8 @@ def check_reliability(cfg: JobConfig) -> None:
     if rel.on_nonfinite not in ("skip", "stop"):
         raise UserError(f"reliability.on_nonfinite '{rel.on_nonfinite}' is not supported: "
                         "use skip or stop")
+    if rel.watchdog not in ("auto", "on", "off"):
+        raise UserError(f"reliability.watchdog '{rel.watchdog}' is not supported: use auto, on or off")
     if rel.spike_factor < 0 or 0 < rel.spike_factor <= 1:
         raise UserError(f"reliability.spike_factor must be above 1 (or 0 to turn the check "
                         f"off), got {rel.spike_factor}")

@@ -3,18 +3,27 @@
 It sees a model, a loss function, an optimizer, a micro-batch schedule and a topology; it
 never branches on which kinds of parallelism are on. One step::
 
-    micro_batches, wait = loader.next()                 # this dp rank's share, prefetched
-    loss = schedule.run(micro_batches)                  # forward + backward, grads summed
-    grad_norm = optimizer.step(lr)                      # dp sync, global clip, AdamW
+    micro_batches = loader.next()                       # this dp rank's share, prefetched
+    optimizer.begin_step(len(micro_batches))             # zero grads; reduce buckets as they fill
+    loss_part = schedule.run(micro_batches)              # forward + backward, grads summed
+    norm_share = optimizer.reduce_gradients()            # dp sync; this rank's share of |g|^2
+    norm, loss = one world all-reduce (norm share, loss share, last step's figures)
+    optimizer.apply(lr, norm)                            # global clip, AdamW
 
 The schedule is the pipeline schedule (``parallel3d.pipeline``); with ``pp = 1`` it is the
 plain loop, forward and backward of each micro-batch in turn.
+
+The model is built on the meta device and only this rank's shards are allocated, on the
+training device and in the storage dtype (bf16 under ``train.dtype = bf16``), then filled
+by the layout-independent counter-based initialisation or read from the checkpoint being
+resumed or ``model.hf_checkpoint`` (this rank's slices only): no rank ever holds the full
+model.
 
 A step whose loss or gradient norm is not finite changes no weight (the optimizer skips
 it, on every rank alike); ``reliability.on_nonfinite`` then either goes on ("skip": the
 batch is consumed, the step number and the learning-rate schedule advance, the step is
 counted in ``skipped_steps``) or stops (:class:`~parallel3d.reliability.TrainingStopped`,
-after calling ``trainer.on_stop(trainer)`` -- the checkpoint hook -- when one is set).
+after calling ``on_stop(trainer)`` -- the checkpoint hook -- when one is set).
 
 The loss of a step is the mean over every token of the global batch: each micro-batch's
 mean is divided by the number of micro-batches, and the data-parallel ranks average.
@@ -34,25 +43,26 @@ import torch.distributed as dist
 
 from parallel3d.checkpoint import Checkpointer
 from parallel3d.config import JobConfig
-from parallel3d.distributed import all_reduce
-from parallel3d.models.llama import Llama
-from parallel3d.models.llama.parallelize import activation_shape, apply_recompute, parallelize_llama
+from parallel3d.distributed import all_reduce, all_reduce_sum_max
+from parallel3d.models.llama.parallelize import activation_shape, apply_recompute
+from parallel3d.models.llama.sharded_init import build_meta_llama, init_llama_
 from parallel3d.observe.progress import ProgressBar, wants_bar
 from parallel3d.observe.sinks import Sinks
 from parallel3d.observe.stats import StepObserver, straggler_warning
 from parallel3d.pipeline import build_schedule
-from parallel3d.pipeline.timeline import write_trace
+from parallel3d.pipeline.timeline import Timeline, write_trace
 from parallel3d.reliability import CommWatch, LossSpikeDetector, TrainingStopped, nonfinite_reason
+from parallel3d.tensor_parallel.gemm_backends import prepare_linear_backends
+from parallel3d.tensor_parallel.init import materialize_
 from parallel3d.topology import Topology
 from parallel3d.train.data import build_train_data
 from parallel3d.train.metrics import MetricsLogger
-from parallel3d.train.optim import build_optimizer, lr_at
+from parallel3d.train.optim import build_optimizer, lr_at, storage_dtype
 from parallel3d.train.setup import check_job, resolve_model_config
 
 
 def _autocast_for(cfg: JobConfig, device: torch.device):
-    wants_bf16 = cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda")
-    if not wants_bf16:
+    if storage_dtype(cfg.train, device) != torch.bfloat16:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -62,7 +72,10 @@ class Trainer:
     and backward and before its collectives (tests use one to slow a rank down)."""
 
     def __init__(self, cfg: JobConfig, topo: Topology, device: torch.device | None = None,
-                 log: bool = True, watch: CommWatch | None = None):
+                 log: bool = True, watch: CommWatch | None = None, on_stop="checkpoint"):
+        """``on_stop``: called as ``on_stop(trainer)`` before a "stop" exit on a non-finite
+        step; "checkpoint" (the default) saves through the checkpointer when this run
+        writes checkpoints, None does nothing."""
         self.cfg, self.topo = cfg, topo
         rel = cfg.reliability
         # Where this rank is (step, operation, group), for the report of a failed collective.
@@ -72,54 +85,56 @@ class Trainer:
         check_job(cfg, self.model_cfg, topo.world_size)
 
         self.data = build_train_data(cfg, topo, self.device, self.model_cfg.vocab_size)
-        # Every rank builds the full model from the same seed, then keeps its part, so
-        # any layout starts from exactly the weights of the unsplit model.
-        torch.manual_seed(cfg.train.seed)
-        model = Llama(self.model_cfg)
-        self.model, self.loss_fn = parallelize_llama(model, topo, cfg.parallel)
-        apply_recompute(self.model, cfg.train.recompute)
-        self.model.to(self.device)
-        # Weights from the checkpoint being resumed (or model.hf_checkpoint) before the
-        # optimizer exists, so that any master copy it takes starts from them.
+        self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
         self.checkpointer = Checkpointer(cfg, topo, self.model_cfg)
-        self.checkpointer.load_weights(self.model)
+        # This rank's part of the model on the meta device; the optimizer allocates its
+        # shards once, in its flat buffer on the device and in the storage dtype; they are
+        # then filled by the seeded (layout-independent) init or, when a checkpoint or HF
+        # folder provides the weights, read slice by slice; the fp32 masters come last.
+        self.dtype = storage_dtype(cfg.train, self.device)
+        self.model, self.loss_fn = build_meta_llama(self.model_cfg, topo, cfg.parallel)
+        apply_recompute(self.model, cfg.train.recompute)
+        self.timeline = Timeline(self.device, cfg.run.trace_steps)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
-                                         model=self.model)
+                                         model=self.model, timeline=self.timeline,
+                                         device=self.device, dtype=self.dtype)
+        materialize_(self.model, self.device)  # anything the optimizer does not hold (none today)
+        # linear_backend "auto" on CUDA: rank 0 times Triton against cuBLAS per GEMM shape
+        # and every rank adopts its table (collective; nothing to do on CPU or at tp 1).
+        prepare_linear_backends(self.model, cfg.parallel, cfg.train, topo.tp, self.device)
+        if not self.checkpointer.has_weights_to_load():
+            init_llama_(self.model, cfg.train.seed)
+        self.checkpointer.load_weights(self.model)
+        self.optimizer.take_masters()
         self.schedule = build_schedule(
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
             activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch,
                                               cfg.train.seq_len, topo.tp,
                                               cfg.parallel.sequence_parallel),
-            autocast=_autocast_for(cfg, self.device), record_steps=cfg.run.trace_steps)
-        self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
-        self.optimizer.timeline = self.schedule.timeline  # its collective waits become spans
+            autocast=_autocast_for(cfg, self.device), timeline=self.timeline, watch=self.watch)
         self.observer = StepObserver(cfg, topo, self.device, self.model_cfg)
         self.step_hooks: list = []
         # (record, this rank's figures) of the last step, until the next collective
         # carries the figures of every rank; then the record goes to _completed.
         self._pending: tuple[dict, list[float]] | None = None
         self._completed: list[dict] = []
-        self.schedule.watch = self.watch
+        self._rank_tables: list[dict] = []  # per-rank rows of straggler checks (rank 0)
         # The group carrying the collectives inside forward/backward (tp all-reduces,
         # pipeline sends, ZeRO-2 reduce-scatters), innermost first.
         self._compute_axis = next((a for a in ("tp", "pp", "dp") if getattr(topo, a) > 1), "world")
-        self.step = 0
         self.skipped_steps = 0
         self.spikes = LossSpikeDetector(rel.spike_factor, rel.spike_window)
         # Optimizer, data position and RNG of the checkpoint being resumed; its step.
         self.step = self.checkpointer.load_training_state(self)
-        # called as on_stop(trainer) before a "stop" exit: the checkpoint hook
-        self.on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
+        if on_stop == "checkpoint":
+            on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
+        self.on_stop = on_stop
         is_logger = log and topo.rank == 0
         resumed = self.checkpointer.resumed_from is not None
         self.metrics = (MetricsLogger(Path(cfg.run.dir), cfg.to_dict(),
                                       resume_step=self.step if resumed else None)
                         if is_logger else None)
         self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
 
     def train_step(self) -> dict:
         """One optimizer step; returns its record (the same on every rank).
@@ -130,16 +145,19 @@ class Trainer:
         cfg = self.cfg.train
         if self.step == 0 and dist.is_initialized() and self.topo.world_size > 1:
             dist.barrier()  # start the first step together: its time is not setup's skew
-        self._sync()
+        # No device-wide synchronisation: the host waits for the step's loss (in the
+        # closing collective) and nothing else, so the parameter all-gathers issued by
+        # apply() run under the next step's forward. In steady state the host's step time
+        # is the device's (the timeline's CUDA events give the per-span GPU times).
         t0 = time.perf_counter()
-        timeline = self.schedule.timeline
+        timeline = self.timeline
         timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
-        self.optimizer.zero_grad()
         self.watch.step = self.step + 1
         self.watch.compute("forward/backward", self._compute_axis)
         with timeline.span("data", "data"):  # the wait for batches built in the background
             micro_batches, _ = self.data.loader.next()
+        self.optimizer.begin_step(len(micro_batches))  # buckets reduce as the last backward fills them
         loss_part = self.schedule.run(micro_batches, reduce_loss=False)
         for hook in self.step_hooks:
             hook(self)
@@ -148,7 +166,6 @@ class Trainer:
             norm_share = self.optimizer.reduce_gradients()
             grad_norm, loss = self._step_sums(norm_share, loss_part)
             self.optimizer.apply(lr, grad_norm, skip=not math.isfinite(loss))
-        self._sync()
         dt = time.perf_counter() - t0
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
@@ -159,34 +176,43 @@ class Trainer:
         self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0))
         record.update(self._check_numbers(loss, grad_norm))
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
-            write_trace(self.schedule.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
+            write_trace(self.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
 
     def _step_sums(self, norm_share: torch.Tensor, loss_part: torch.Tensor) -> tuple[torch.Tensor, float]:
-        """The step's one collective: a sum over the world of this rank's share of the
-        squared gradient norm, its share of the loss (the last stage's loss on its first
-        tp rank; the dp ranks' losses average) and the previous step's per-rank figures.
-        Returns (global norm, loss) and completes the previous step's record.
+        """The step's one collective: over the world, the sum of this rank's share of the
+        squared gradient norm, of its share of the loss (the last stage's loss on its first
+        tp rank; the dp ranks' losses average) and of the previous step's per-rank
+        figures, with the maxima and minima of those figures (a payload of fixed size,
+        :meth:`StepObserver.payload`). Returns (global norm, loss) and completes the
+        previous step's record.
 
         Sums are taken in fp64 and rounded to fp32 before the square root and the division
         by dp, which for two contributors is exactly the fp32 sum."""
-        topo, timeline = self.topo, self.schedule.timeline
+        topo, timeline = self.topo, self.timeline
         # the tp ranks of the last stage hold the same loss: the first one counts it
         loss_share = loss_part if topo.tp_rank == 0 else torch.zeros_like(loss_part)
         head = torch.stack([norm_share.reshape(()), loss_share.reshape(())]).double().to(self.device)
         previous = self._pending
-        sums = torch.cat([head, self.observer.slots(previous[1] if previous else None)])
+        figures, maxes = self.observer.payload(previous[1] if previous else None)
+        sums = torch.cat([head, figures])
         self.watch.enter("step all-reduce (gradient norm, loss, per-rank metrics)", "world")
         with timeline.span("step sums", "comm", lane="comm"):
-            all_reduce(sums, topo.world_group)
+            all_reduce_sum_max(sums, maxes, topo.world_group)
         timeline.close_window(closing="step sums")
         head = sums[:2].float()
         if previous is not None:
-            self._complete(previous[0], self.observer.rows(sums[2:]))
+            self._complete(previous[0], self.observer.summary(sums[2:], maxes))
         return head[0].sqrt(), float(head[1] / topo.dp)
 
-    def _complete(self, record: dict, rows: list[list[float]]) -> None:
-        record.update(self.observer.per_rank(record["step"], rows))
+    def _complete(self, record: dict, summary: dict) -> None:
+        """Add the every-rank figures to ``record``; every ``straggler_interval`` steps,
+        also the stragglers (per-rank rows gathered to rank 0 only, for ranks.jsonl)."""
+        record.update(summary)
+        checked = self.observer.check_stragglers(record["step"])
+        if checked is not None:
+            record["stragglers"], table = checked
+            self._rank_tables.append({"step": record["step"], "ranks": table})
         self._pending = None
         self._completed.append(record)
 
@@ -211,9 +237,10 @@ class Trainer:
         model as one chunk when pp = 1), so any layout evaluates the same sequences.
         """
         n_batches = self.cfg.eval.batches
-        total = torch.zeros((), dtype=torch.float32)
+        # on the device: the dp group may be NCCL's, which takes only CUDA tensors
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for b in range(n_batches):
-            total += self.schedule.forward_only(self.data.val_micro_batches(b)).cpu() / n_batches
+            total += self.schedule.forward_only(self.data.val_micro_batches(b)) / n_batches
         return float(all_reduce(total, self.topo.dp_group) / self.topo.dp)
 
     def _check_numbers(self, loss: float, grad_norm: float) -> dict:
@@ -255,9 +282,9 @@ class Trainer:
 
         report = {**memory_report(self.model, self.optimizer), **self.topo.coords()}
         reports = [report]
-        if dist.is_initialized() and self.topo.world_size > 1:
-            reports = [None] * self.topo.world_size
-            dist.all_gather_object(reports, report)
+        if dist.is_initialized() and self.topo.world_size > 1:  # to rank 0 only
+            reports = [None] * self.topo.world_size if self.topo.rank == 0 else None
+            dist.gather_object(report, reports, dst=0)
         if self.metrics is not None:
             (Path(self.cfg.run.dir) / "memory.json").write_text(json.dumps(reports, indent=1))
             mib = {k: report[k] / 2**20 for k in ("params", "grads", "optimizer_state")}
@@ -295,8 +322,11 @@ class Trainer:
             if self.checkpointer.due(self):
                 self.finish_records()  # metrics.jsonl holds every step the checkpoint covers
             self._report(self.completed_records(), bar)
-            self.checkpointer.maybe_save(self)
+            if self.checkpointer.due(self):
+                self.watch.pause("checkpoint save")  # its own gloo group raises on a hang
+                self.checkpointer.maybe_save(self)
         self.finish_records()
+        self.watch.pause("end of the run")
         self._report(self.completed_records(), bar)
         if self.step >= self.cfg.train.steps:
             self.checkpointer.finish(self)
@@ -318,18 +348,20 @@ class Trainer:
         if bar is not None:
             bar.update(record)
         elif step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps:
-            own_wait = self.schedule.timeline.step_breakdown().get("data", 0.0)
+            own_wait = self.timeline.step_breakdown().get("data", 0.0)
             self.metrics.show(record, data_wait_s=own_wait)
 
     def _report(self, records: list[dict], bar: ProgressBar | None) -> None:
         """Rank 0, once records are complete: metrics.jsonl, the sinks, straggler warnings."""
         if self.metrics is None:
             return
+        for table in self._rank_tables:
+            self.metrics.log_ranks(table)
+        self._rank_tables = []
         for record in records:
             self.metrics.log(record)
             self.sinks.log(record)
             if bar is not None:
                 bar.memory = record.get("peak_mem_bytes", bar.memory)
-            for s in record.get("stragglers", []):
-                print(("\n" if bar is not None else "") + straggler_warning(s, self.cfg.observability.straggler_factor),
-                      file=sys.stderr, flush=True)
+            for s in record.get("stragglers", []):  # printed above the bar (it holds the streams)
+                print(straggler_warning(s, self.cfg.observability.straggler_factor), file=sys.stderr, flush=True)

@@ -15,32 +15,40 @@ import sys
 import torch.distributed as dist
 
 from parallel3d.config import JobConfig, config_from_dict
-from parallel3d.distributed import (device_for, init_from_env, pick_backend, set_cpu_threads,
+from parallel3d.distributed import (device_for, init_from_env, pick_backend, return_freed_host_memory,
+                                    set_cpu_threads,
                                     under_torchrun)
 from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE, UserError
-from parallel3d.reliability import CommFailure, CommWatch, TrainingStopped, comm_failures_reported
+from parallel3d.reliability import (CommFailure, CommWatch, TrainingStopped, backend_timeout_s,
+                                    comm_failures_reported, enable_flight_recorder, wants_watchdog)
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
 
-def run_training(cfg: JobConfig, on_stop=None) -> list[dict]:
+def run_training(cfg: JobConfig) -> list[dict]:
     """Train in this process: under torchrun (or our launch) as one rank of the world,
-    otherwise as a world of one without any process group.
+    otherwise as a world of one without any process group. A stop on a non-finite step
+    saves through the trainer's own checkpoint hook (``Trainer.on_stop``).
 
     A failed collective raises :class:`CommFailure` whose message is the full report."""
     backend = pick_backend(cfg.launch.backend)
     set_cpu_threads(cfg.launch.threads_per_proc)
+    if backend == "gloo":
+        return_freed_host_memory()  # resident memory follows what the tensors hold
     rel = cfg.reliability
+    watchdog = wants_watchdog(rel.watchdog, backend)
     if under_torchrun():
-        init_from_env(backend, rel.comm_timeout_s)
-        topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, timeout_s=rel.comm_timeout_s)
+        enable_flight_recorder(backend)
+        timeout_s = backend_timeout_s(watchdog, rel.comm_timeout_s)
+        init_from_env(backend, timeout_s)
+        topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, timeout_s=timeout_s)
     else:
         topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, rank=0, world_size=1)
-    watch = CommWatch.for_process_group(topo, rel.comm_timeout_s, rel.heartbeat_s)
+    watch = CommWatch.for_process_group(topo, rel.comm_timeout_s, rel.heartbeat_s,
+                                        watchdog=watchdog and topo.world_size > 1, dump_dir=cfg.run.dir)
     try:
         with comm_failures_reported(watch, passthrough=(UserError, TrainingStopped)):
             trainer = Trainer(cfg, topo, device_for(backend), watch=watch)
-            trainer.on_stop = on_stop
             history = trainer.fit()
     finally:
         watch.close()

@@ -92,7 +92,8 @@ def load_cpu_adam():
     except Exception as e:  # noqa: BLE001 - any import failure means the same to the user
         raise UserError(f"parallel.offload_optimizer needs DeepSpeed's CPU Adam, but importing "
                         f"deepspeed failed ({type(e).__name__}: {e}): install deepspeed "
-                        "(pip install 'parallel3d[deepspeed]') or set parallel.offload_optimizer=false") from None
+                        '(pip install deepspeed, or pip install -e ".[deepspeed]" in the checkout) '
+                        "or set parallel.offload_optimizer=false") from None
     try:
         CPUAdamBuilder().load(verbose=False)
     except Exception as e:  # noqa: BLE001

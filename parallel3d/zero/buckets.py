@@ -115,10 +115,12 @@ class BucketLayout:
 
     ``numels[i]`` is the size of parameter i (registration order). Buckets are filled in
     reverse order of i; a bucket is closed before a parameter that would push it past
-    ``bucket_numel`` (a parameter larger than that gets a bucket of its own).
+    ``bucket_numel`` (a parameter larger than that gets a bucket of its own). Parameters
+    in ``alone`` always get a bucket of their own: a tied embedding, whose two holders
+    (first and last pipeline stage, different layouts otherwise) must shard it alike.
     """
 
-    def __init__(self, numels: list[int], bucket_numel: int, dp: int):
+    def __init__(self, numels: list[int], bucket_numel: int, dp: int, alone=()):
         if dp < 1 or bucket_numel < 1:
             raise ValueError(f"dp ({dp}) and bucket_numel ({bucket_numel}) must be positive")
         self.dp = dp
@@ -128,11 +130,14 @@ class BucketLayout:
         current: list[int] = []
         size = 0
         for i in reversed(range(len(numels))):
-            if current and size + numels[i] > bucket_numel:
+            if current and (size + numels[i] > bucket_numel or i in alone):
                 self._close(current)
                 current, size = [], 0
             current.append(i)
             size += numels[i]
+            if i in alone:
+                self._close(current)
+                current, size = [], 0
         if current:
             self._close(current)
 

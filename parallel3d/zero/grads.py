@@ -1,42 +1,64 @@
-"""Gradients from the backward pass to fp32, data-parallel-averaged shards.
+"""Gradients from the backward pass to fp32, data-parallel-averaged (shards of) buckets.
 
-Stage 1 keeps a full fp32 gradient buffer (one flat tensor laid out like the buckets);
-fp32 parameters get their ``.grad`` as views into it, so autograd accumulates the
-micro-batches in place. At the optimizer step every bucket is reduce-scattered into this
-rank's shard.
+Stages 0 and 1 keep a full fp32 gradient buffer (one flat tensor laid out like the
+buckets); fp32 parameters get their ``.grad`` as views into it, so autograd accumulates
+the micro-batches in place, and a low-precision parameter's gradient is added into it by
+a hook and released. A hook on every parameter (``register_post_accumulate_grad_hook``)
+counts its gradient accumulations: once a parameter has received the step's last one (the
+optimizer is told how many backward passes the step has, :meth:`GradReducer.begin_step`)
+it is final, and as soon as every parameter of a bucket is final the bucket's reduction is
+issued, asynchronously, while autograd goes on with the earlier layers: an all-reduce
+over dp in place (stage 0, every rank keeps the whole average) or a reduce-scatter into
+this rank's shard (stage 1). So the last micro-batch's backward pass overlaps the
+gradient communication, bucket by bucket, as the first buckets fill first (buckets hold
+parameters in reverse order).
 
-Stage 2 never holds the full gradient. A hook on each parameter
-(``register_post_accumulate_grad_hook``) counts the gradients ready per bucket; when a
-bucket is complete, its gradients are packed into a transient fp32 bucket, ``.grad`` is
-released, and an asynchronous reduce-scatter is issued, while autograd goes on with the
-earlier layers. Buckets are issued strictly in index order, so every rank issues the same
-collectives in the same order. At the end of each backward pass (an autograd callback)
-the reductions are waited for and summed into the fp32 shard: gradient accumulation over
-micro-batches happens in the shard, at 1/dp of the memory, at the cost of one
-reduce-scatter per micro-batch (as DeepSpeed's ZeRO-2 does).
+Stage 2 never holds the full gradient. When a bucket's gradients of one backward pass are
+complete, they are packed into a transient fp32 bucket, ``.grad`` is released, and an
+asynchronous reduce-scatter is issued; at the end of each backward pass (an autograd
+callback) the reductions are waited for and summed into the fp32 shard: gradient
+accumulation over micro-batches happens in the shard, at 1/dp of the memory, at the cost
+of one reduce-scatter per micro-batch (as DeepSpeed's ZeRO-2 does).
 
-Either way gradients are accumulated and reduced in fp32, whatever the parameter dtype.
+Buckets are issued strictly in index order, so every rank of the dp group issues the same
+collectives in the same order (NCCL requires it). At most :data:`MAX_INFLIGHT` reductions
+are in flight: issuing another first finishes the oldest (on NCCL a stream wait, the host
+goes on; on gloo the host waits), so the transient buffers of the reductions (stage 2's
+packed buckets, gloo's receive buffers) stay within two buckets. Either way gradients
+are accumulated and reduced in fp32, whatever the parameter dtype.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+import torch.distributed as dist
 
 from parallel3d.distributed import reduce_scatter_flat
 
 from .buckets import BucketLayout
 
-class _Reduction:
-    """One bucket's reduce-scatter in flight: on :meth:`finish` the reduced shard is
-    written (first contribution of the step) or added (later micro-batches) into ``dest``.
-    The collective is :func:`parallel3d.distributed.reduce_scatter_flat` (NCCL's own, an
-    all-to-all and a local sum on gloo).
-    """
+MAX_INFLIGHT = 2  # bucket reductions in flight at once (see the module docstring)
 
-    def __init__(self, bucket_flat: torch.Tensor, dest: torch.Tensor, accumulate: bool, group):
+
+class _Reduction:
+    """One bucket's collective in flight: on :meth:`finish` the reduced values are in
+    ``dest``: written (first contribution of the step) or added (stage 2's later
+    micro-batches). ``dest`` is the bucket itself for an all-reduce (stage 0), this rank's
+    shard of it for a reduce-scatter (:func:`parallel3d.distributed.reduce_scatter_flat`:
+    NCCL's own, an all-to-all and a local sum on gloo)."""
+
+    def __init__(self, bucket_flat: torch.Tensor, dest: torch.Tensor, accumulate: bool, group,
+                 all_reduce: bool):
         self.dest, self.accumulate = dest, accumulate
+        in_place = dest.data_ptr() == bucket_flat.data_ptr() and dest.numel() == bucket_flat.numel()
         if group is None:
-            self.work, self.result = None, bucket_flat
+            self.work, self.result = None, dest if in_place else bucket_flat
+        elif all_reduce:
+            assert in_place and not accumulate, "stage 0 reduces each bucket once, in place"
+            self.result = dest
+            self.work = dist.all_reduce(dest, group=group, async_op=True)
         else:
             self.result = torch.empty_like(dest) if accumulate else dest
             self.work = reduce_scatter_flat(self.result, bucket_flat, group, async_op=True)
@@ -55,35 +77,56 @@ class _Reduction:
 class GradReducer:
     """Owns the gradient storage of a :class:`~parallel3d.zero.optimizer.ZeroOptimizer`.
 
-    ``shard`` is the flat fp32 gradient shard of this rank (one piece per bucket, in
-    bucket order, as :meth:`BucketLayout.shard_offsets`). Set ``trace`` to a list to
-    record ``("grad", param_index)``, ``("issue", bucket)`` and ``("done", bucket)``
-    events in order (the overlap test reads it).
+    ``shard`` is the flat fp32 gradient this rank reduces into (one piece per bucket, in
+    bucket order, as :meth:`BucketLayout.shard_offsets`): the whole buffer at stage 0.
+    ``on_issue(bucket)`` and ``on_done(bucket)``, when set, are called as a bucket's
+    reduction is issued and finished (the optimizer marks them on the step's timeline);
+    ``trace``, when a list, records ``("grad", param_index)``, ``("issue", bucket)`` and
+    ``("done", bucket)`` in order (the overlap tests read it).
     """
 
     def __init__(self, params: list[torch.nn.Parameter], layout: BucketLayout, topo,
                  stage: int, device: torch.device):
         self.params, self.layout, self.stage = params, layout, stage
-        self.dp, self.dp_rank = topo.dp, topo.dp_rank
+        self.dp = topo.dp
+        self.shard_rank = topo.dp_rank if stage > 0 else 0
         self.group = topo.dp_group if topo.dp > 1 else None
-        self.shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
-        offsets = layout.shard_offsets()
-        self.shard_views = [self.shard[o:o + b.shard_numel] for o, b in zip(offsets, layout.buckets)]
         self.trace: list | None = None
-        self._accumulated = [False] * len(layout.buckets)
+        self.on_issue = self.on_done = None
         self.full = None
-        if stage == 1:
+        if stage in (0, 1):
             self.full = torch.zeros(layout.numel, dtype=torch.float32, device=device)
             self._full_views = [self._param_view(self.full, i) for i in range(len(params))]
-        self._ready = [0] * len(layout.buckets)
-        self._next = 0  # next bucket to issue (stage 2)
+        if stage == 0:
+            self.shard = self.full
+        else:
+            self.shard = torch.zeros(layout.shard_numel, dtype=torch.float32, device=device)
+        offsets = layout.shard_offsets()
+        self.shard_views = [self.shard[o:o + b.shard_numel] for o, b in zip(offsets, layout.buckets)]
+        self._use_main_grad()
+        self._expected: int | None = None  # backward passes this step (None: not told)
         self._inflight: list[tuple[int, _Reduction]] = []
         self._callback_queued = False
-        self._hooks = []
-        for i, p in enumerate(params):
-            if stage == 2 or p.dtype != torch.float32:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
-        self.zero()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                       for i, p in enumerate(params)]
+        self.begin_step(None)
+
+    def _use_main_grad(self) -> None:
+        """Stages 0/1: a low-precision weight of a tensor-parallel GEMM gets its fp32 view of
+        the gradient buffer as ``main_grad``: the weight-gradient GEMM adds into it in fp32
+        (Megatron's gradient-accumulation fusion) instead of producing a bf16 ``.grad`` that
+        a hook adds, and calls back so the bucket counting sees the contribution. A tied
+        embedding (whose lookup writes ``.grad``) never takes it: the layers mark only the
+        weights their own GEMMs own (``p3d_takes_main_grad``)."""
+        self.main_grads = []
+        if self.full is None:
+            return
+        for i, p in enumerate(self.params):
+            if p.dtype != torch.float32 and getattr(p, "p3d_takes_main_grad", False):
+                view = self._full_views[i]
+                view.on_accumulated = partial(self._on_contribution, i)
+                p.main_grad = view
+                self.main_grads.append(i)
 
     def _param_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         b, seg = self.layout.location[i]
@@ -92,9 +135,19 @@ class GradReducer:
 
     # -- the step's life cycle -----------------------------------------------------------
     @torch.no_grad()
-    def zero(self) -> None:
-        self._accumulated = [False] * len(self.layout.buckets)
-        if self.stage == 1:
+    def begin_step(self, backward_passes: int | None) -> None:
+        """Zero the gradients for a new step of ``backward_passes`` backward passes over
+        every parameter (one per micro-batch); None: reduce only in :meth:`reduced`."""
+        n = len(self.layout.buckets)
+        self._expected = backward_passes
+        self._accumulated = [False] * n
+        self._issued = [False] * n
+        self._counts = [0] * len(self.params)
+        self._final = [0] * n  # parameters of each bucket that got their last gradient
+        self._next_final = 0  # next bucket to issue once final (stages 0 and 1)
+        self._ready = [0] * n  # parameters of each bucket done in this backward (stage 2)
+        self._next = 0  # next bucket to issue in this backward (stage 2)
+        if self.full is not None:
             self.full.zero_()
             for p, view in zip(self.params, self._full_views):
                 # fp32 params accumulate straight into the buffer; others via the hook
@@ -105,13 +158,13 @@ class GradReducer:
 
     @torch.no_grad()
     def reduced(self) -> torch.Tensor:
-        """The fp32 gradient shard, summed over micro-batches and averaged over dp."""
-        if self.stage == 1:
+        """The fp32 gradient (shard), summed over micro-batches and averaged over dp."""
+        if self.full is not None:
             self._adopt_foreign_grads()
             for b, bucket in enumerate(self.layout.buckets):
-                flat = self.full[bucket.offset:bucket.offset + bucket.numel]
-                self._issue(b, flat)
-            self._finish_inflight()
+                if not self._issued[b]:
+                    self._issue(b, self._bucket_of_full(b))
+        self._finish_inflight()
         for b, done in enumerate(self._accumulated):
             if not done:  # no backward pass reached this bucket in this step
                 self.shard_views[b].zero_()
@@ -119,27 +172,44 @@ class GradReducer:
             self.shard.div_(self.dp)
         return self.shard
 
+    def _bucket_of_full(self, b: int) -> torch.Tensor:
+        bucket = self.layout.buckets[b]
+        return self.full[bucket.offset:bucket.offset + bucket.numel]
+
     def _adopt_foreign_grads(self) -> None:
-        """Stage 1: a ``.grad`` that is not our view (someone replaced it) is copied in."""
-        for p, view in zip(self.params, self._full_views):
+        """Stages 0/1: a ``.grad`` that is not our view (someone replaced it) is added in."""
+        for i, (p, view) in enumerate(zip(self.params, self._full_views)):
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                if self._issued[self.layout.location[i][0]]:
+                    raise RuntimeError(f"parameter {i} got a gradient after its bucket was reduced")
                 view.add_(p.grad)
                 p.grad = view if p.dtype == torch.float32 else None
 
     # -- collectives ---------------------------------------------------------------------
     def _issue(self, b: int, bucket_flat: torch.Tensor) -> None:
+        while len(self._inflight) >= MAX_INFLIGHT:
+            self._finish_oldest()
         if self.trace is not None:
             self.trace.append(("issue", b))
-        red = _Reduction(bucket_flat, self.shard_views[b], self._accumulated[b], self.group)
+        if self.on_issue is not None:
+            self.on_issue(b)
+        red = _Reduction(bucket_flat, self.shard_views[b], self._accumulated[b], self.group,
+                         all_reduce=self.stage == 0)
         self._accumulated[b] = True
+        self._issued[b] = True
         self._inflight.append((b, red))
 
+    def _finish_oldest(self) -> None:
+        b, red = self._inflight.pop(0)
+        red.finish()
+        if self.trace is not None:
+            self.trace.append(("done", b))
+        if self.on_done is not None:
+            self.on_done(b)
+
     def _finish_inflight(self) -> None:
-        for b, red in self._inflight:
-            red.finish()
-            if self.trace is not None:
-                self.trace.append(("done", b))
-        self._inflight = []
+        while self._inflight:
+            self._finish_oldest()
 
     # -- hooks ---------------------------------------------------------------------------
     def _make_hook(self, i: int):
@@ -151,10 +221,32 @@ class GradReducer:
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
         if self.trace is not None:
             self.trace.append(("grad", i))
-        if self.stage == 1:  # a low-precision param: accumulate into the fp32 buffer
+        if self.stage == 2:
+            self._on_grad_stage2(i)
+            return
+        if p.grad is None:
+            # autograd runs the hook even when a node returned no gradient: a weight whose
+            # GEMM added into its main_grad (counted by its on_accumulated) gives none here
+            return
+        if p.dtype != torch.float32:  # a low-precision param: accumulate into the fp32 buffer
             self._full_views[i].add_(p.grad)
             p.grad = None
+        self._on_contribution(i)
+
+    def _on_contribution(self, i: int) -> None:
+        """Parameter ``i`` received one backward pass's gradient (stages 0/1): once it has
+        the step's last, its bucket may be complete; complete buckets are issued in order."""
+        self._counts[i] += 1
+        if self._counts[i] != self._expected:
             return
+        b, _ = self.layout.location[i]
+        self._final[b] += 1
+        while self._next_final < len(self._final) and \
+                self._final[self._next_final] == len(self.layout.buckets[self._next_final].segments):
+            self._issue(self._next_final, self._bucket_of_full(self._next_final))
+            self._next_final += 1
+
+    def _on_grad_stage2(self, i: int) -> None:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

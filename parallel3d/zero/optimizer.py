@@ -1,42 +1,47 @@
-"""The sharded (ZeRO stage 1 and 2) optimizer.
+"""The flat-buffer AdamW of every ZeRO stage: 0 (replicated), 1 and 2 (sharded over dp).
 
-Each data-parallel rank holds the full model parameters, for the forward and backward
-passes, but only its shard of everything else (see :mod:`parallel3d.zero.buckets`)::
+The parameters of this rank (whatever tensor and pipeline parallelism left on it) become
+views of one flat buffer packed in buckets (:mod:`parallel3d.zero.buckets`); gradients are
+reduced in fp32 (:mod:`parallel3d.zero.grads`); AdamW steps flat fp32 master shards::
 
-                         stage 0 (DataParallelOptimizer)   stage 1       stage 2
-    parameters           P                                 P             P
-    fp32 gradients       P                                 P + P/dp      P/dp
-    fp32 master weights  -  (fp32 params are the master)   P/dp if the params are bf16
-    Adam moments         2P                                2P/dp         2P/dp
+                         stage 0            stage 1        stage 2
+    parameters           P                  P              P          (bf16 or fp32)
+    fp32 gradients       P                  P + P/dp       P/dp
+    fp32 master weights  P if params bf16   P/dp if params bf16       (else the params)
+    Adam moments         2P                 2P/dp          2P/dp
 
-One step: the gradients are reduce-scattered (stage 2: during the backward pass) so rank r
-receives the dp-average of its shard; the global gradient norm is the sum of squares over
-every rank's shard (all-reduced over dp, then over the tensor/pipeline groups, each
-replicated parameter counted once); AdamW updates the master shard; the updated shard is
-written into the parameter buffer and every bucket is all-gathered back to all ranks.
-Those all-gathers are asynchronous: with ``model`` given, each module waits, in a forward
-pre-hook, only for the buckets holding its own parameters, so the first layers compute
-while the later layers' parameters are still arriving.
+One step: each bucket's gradient is reduced as soon as the step's last backward pass has
+filled it (stage 0: all-reduced, every rank keeps the average; 1: reduce-scattered so
+rank r receives the dp-average of its shard; 2: reduce-scattered every micro-batch); the
+gradients of a tied embedding (first and last pipeline stage hold it, each in a bucket of
+its own) are summed over the two; the global gradient norm is the sum of squares over
+every rank's shard (each replicated parameter counted once); AdamW updates the master
+shard; the updated shard is written into the parameter buffer and (stages 1 and 2) every
+bucket is all-gathered back to all ranks. Those all-gathers are asynchronous: with
+``model`` given, each module waits, in a forward pre-hook, only for the buckets holding
+its own parameters, so the first layers compute while the later layers' parameters are
+still arriving.
 
-The optimizer does not know about tensor or pipeline parallelism: it receives whatever
-parameters ``parallelize`` left on this rank and the topology's groups.
+It receives whatever parameters ``parallelize`` left on this rank and the topology's
+groups; tensor parallelism shows only in the gradients several tp ranks hold partially
+(``p3d_tp_partial_grad``: summed over their holders on the reduced shard).
 """
 
 from __future__ import annotations
 
 import math
-
 from functools import partial
 
 import torch
 
 from parallel3d.config import TrainConfig
-from parallel3d.distributed import all_gather_flat
+from parallel3d.distributed import all_gather_flat, all_reduce
+from parallel3d.grad_norm import (GlobalNormOptimizer, applies_weight_decay, clip_factor,
+                                  counts_in_norm, norm_pieces, squared_norm)
 from parallel3d.pipeline.timeline import comm_span
 from parallel3d.tensor_parallel.grad_sync import sum_over_tp_holders
+from parallel3d.tensor_parallel.init import materialize_
 from parallel3d.topology import Topology
-from parallel3d.train.optim import (GlobalNormOptimizer, applies_weight_decay, clip_factor,
-                                    counts_in_norm, squared_norm)
 
 from .adam import CpuOffloadAdamW, FlatAdamW
 from .buckets import BucketLayout
@@ -53,78 +58,120 @@ def _unique(params) -> list[torch.nn.Parameter]:
 
 
 class ZeroOptimizer(GlobalNormOptimizer):
-    """AdamW with optimizer state (stage 1) and gradients (stage 2) sharded over dp.
+    """AdamW over flat buffers; optimizer state (stage 1) and gradients (stage 2) sharded
+    over dp.
 
-    Same interface as :class:`~parallel3d.train.optim.DataParallelOptimizer`:
-    ``zero_grad()``, ``step(lr) -> grad_norm``, ``state_dict()``, ``load_state_dict()``.
+    Interface (:class:`~parallel3d.grad_norm.GlobalNormOptimizer`): ``begin_step(n)``,
+    ``reduce_gradients()``, ``apply(lr, norm)``, ``step(lr) -> grad_norm``,
+    ``state_dict()``, ``load_state_dict()``.
 
     Args:
-        params: this rank's parameters (registration order; tied ones once).
-        stage: 1 or 2.
+        params: this rank's parameters (registration order; tied ones once), stored in
+            the dtype the model is trained in (bf16 parameters get fp32 master weights).
+            Meta parameters (a model built on the meta device) are placed straight into
+            the flat buffer, allocated on ``device`` in ``dtype``: ``model`` then gets
+            new parameter objects, uninitialised views of the buffer; fill them (seeded
+            init, a checkpoint) and call :meth:`take_masters`. The full parameters never
+            exist twice.
+        stage: 0, 1 or 2.
         bucket_mb: bucket size in MiB of fp32 gradient.
-        offload: keep master weights and moments on the CPU; step with DeepSpeed's CPU Adam.
-        param_dtype: dtype of the model parameters (bf16 for mixed precision, with fp32
-            master weights); default: the parameters' current dtype.
+        offload: keep master weights and moments on the CPU; step with DeepSpeed's CPU Adam
+            (stages 1 and 2).
         model: the module owning ``params``; when given, the post-step all-gather of each
             bucket is waited for lazily in forward pre-hooks.
+        timeline: where the optimizer's collective waits and bucket reductions are
+            recorded (the trainer's step timeline).
     """
 
     def __init__(self, params, cfg: TrainConfig, topo: Topology, *, stage: int = 1,
                  bucket_mb: float = 25.0, offload: bool = False,
-                 param_dtype: torch.dtype | None = None, model: torch.nn.Module | None = None):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeroOptimizer stage must be 1 or 2, got {stage}")
+                 model: torch.nn.Module | None = None, timeline=None,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        if stage not in (0, 1, 2):
+            raise ValueError(f"ZeroOptimizer stage must be 0, 1 or 2, got {stage}")
+        if offload and stage == 0:
+            raise ValueError("the CPU-offloaded optimizer needs stage 1 or 2")
         self.params = _unique(params)
         self.cfg, self.topo, self.stage, self.offload = cfg, topo, stage, offload
+        self.timeline = timeline
         self.dp, self.dp_rank = topo.dp, topo.dp_rank
+        # stage 0: every dp rank holds the whole state (one "shard" of the whole layout)
+        self.shards_over_dp = stage > 0
+        self.shard_dp, self.shard_rank = (topo.dp, topo.dp_rank) if stage > 0 else (1, 0)
         self.dp_group = topo.dp_group if topo.dp > 1 else None
-        device = self.params[0].device
-        param_dtype = param_dtype or self.params[0].dtype
+        meta = self.params[0].is_meta
+        if meta and (model is None or device is None):
+            raise ValueError("meta parameters need the model they belong to and a device")
+        device = device if meta else self.params[0].device
+        param_dtype = (dtype or torch.float32) if meta else self.params[0].dtype
         bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
-        self.layout = BucketLayout([p.numel() for p in self.params], bucket_numel, self.dp)
+        tied = {i for i, p in enumerate(self.params) if getattr(p, "p3d_tied_embedding", False)}
+        self.layout = BucketLayout([p.numel() for p in self.params], bucket_numel, self.shard_dp,
+                                   alone=tied)
         state_device = torch.device("cpu") if offload else device
         # fp32 parameters on the optimizer's device are their own master weights
         self.master_is_param = param_dtype == torch.float32 and state_device == device
-        self._build_buffers(device, param_dtype, state_device)
+        self._build_buffers(device, param_dtype, state_device, model if meta else None)
+        if not meta:
+            self.take_masters()
         self.reducer = GradReducer(self.params, self.layout, topo, stage, device)
+        if timeline is not None:
+            self.reducer.on_issue = lambda b: timeline.instant(f"reduce bucket {b}", bucket=b)
         self._build_norm_runs()
         self._build_partial_pieces()
+        self._tied_views = [self.reducer.shard_views[self.layout.location[i][0]] for i in sorted(tied)]
         self.step_count = 0
         self._gathers: dict[int, object] = {}
         self._build_adam(state_device)
         self._overlap_gather = model is not None
-        if model is not None:
+        if model is not None and self.shards_over_dp and self.dp_group is not None:
             self._hook_forward(model)
 
     # -- construction ----------------------------------------------------------------------
     @torch.no_grad()
-    def _build_buffers(self, device, param_dtype, state_device) -> None:
+    def _build_buffers(self, device, param_dtype, state_device, meta_model) -> None:
+        """The flat parameter buffer (every parameter becomes a view of it: copied in, or,
+        for meta parameters, placed there uninitialised) and the fp32 master shards."""
         layout = self.layout
         self.param_buffer = torch.zeros(layout.numel, dtype=param_dtype, device=device)
         self.param_shards = []
         for b in layout.buckets:
-            lo, hi = b.shard_range(self.dp_rank)
+            lo, hi = b.shard_range(self.shard_rank)
             self.param_shards.append(self.param_buffer[b.offset + lo:b.offset + hi])
+        views = []
+        for i, p in enumerate(self.params):
+            b, seg = layout.location[i]
+            start = layout.buckets[b].offset + seg.start
+            views.append(self.param_buffer[start:start + seg.numel].view(p.shape))
+        if meta_model is not None:
+            if not all(p.is_meta for p in self.params):
+                raise ValueError("parameters must be all on the meta device or none")
+            new = materialize_(meta_model, device, param_dtype,
+                               storage={id(p): v for p, v in zip(self.params, views)})
+            self.params = [new[id(p)] for p in self.params]
+        else:
+            for p, view in zip(self.params, views):
+                view.copy_(p.detach())
+                p.data = view
         if self.master_is_param:
             self.master_flat = None
             self.masters = self.param_shards
-        else:  # fp32 copies of this rank's pieces, taken from the original values
+        else:
             pin = state_device.type == "cpu" and device.type == "cuda"
             self.master_flat = torch.zeros(layout.shard_numel, dtype=torch.float32,
                                            device=state_device, pin_memory=pin)
             offsets = layout.shard_offsets()
             self.masters = [self.master_flat[o:o + b.shard_numel] for o, b in zip(offsets, layout.buckets)]
-            for b, master in zip(layout.buckets, self.masters):
-                s_lo, _ = b.shard_range(self.dp_rank)
-                for seg, lo, hi in b.shard_pieces(self.dp_rank):
-                    src = self.params[seg.index].detach().reshape(-1)
-                    master[lo:hi].copy_(src[s_lo + lo - seg.start:s_lo + hi - seg.start])
-        for i, p in enumerate(self.params):  # parameters become views of the flat buffer
-            b, seg = layout.location[i]
-            start = layout.buckets[b].offset + seg.start
-            view = self.param_buffer[start:start + seg.numel].view(p.shape)
-            view.copy_(p.detach())
-            p.data = view
+
+    @torch.no_grad()
+    def take_masters(self) -> None:
+        """fp32 master weights <- this rank's shard of the parameters' current values (at
+        construction from real parameters; the trainer calls it once the parameters are
+        initialised or loaded). Nothing to do when fp32 parameters are their own masters."""
+        if self.master_is_param:
+            return
+        for b, master in zip(self.layout.buckets, self.masters):
+            master.copy_(self.param_shards[b.index])
 
     def _build_partial_pieces(self) -> None:
         """(slice of the gradient shard, p3d_tp_shared) for parameters marked
@@ -132,7 +179,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self._partial_pieces = []
         for b, bucket in enumerate(self.layout.buckets):
             g = self.reducer.shard_views[b]
-            for seg, lo, hi in bucket.shard_pieces(self.dp_rank):
+            for seg, lo, hi in bucket.shard_pieces(self.shard_rank):
                 p = self.params[seg.index]
                 if getattr(p, "p3d_tp_partial_grad", False):
                     self._partial_pieces.append((g[lo:hi], p.p3d_tp_shared))
@@ -143,12 +190,13 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self._norm_views = []
         for b, bucket in enumerate(self.layout.buckets):
             g = self.reducer.shard_views[b]
-            self._norm_views += [g[r.lo:r.hi] for r in bucket.shard_runs(self.dp_rank, owner) if r.flag]
+            self._norm_views += norm_pieces([g[r.lo:r.hi] for r in bucket.shard_runs(self.shard_rank, owner)
+                                             if r.flag])
 
     def _decay_runs(self) -> list[tuple[int, int, int, bool]]:
         decays = lambda i: applies_weight_decay(self.params[i])  # noqa: E731
         return [(b, r.lo, r.hi, r.flag) for b, bucket in enumerate(self.layout.buckets)
-                for r in bucket.shard_runs(self.dp_rank, decays)]
+                for r in bucket.shard_runs(self.shard_rank, decays)]
 
     def _build_adam(self, state_device) -> None:
         runs = self._decay_runs()
@@ -173,24 +221,39 @@ class ZeroOptimizer(GlobalNormOptimizer):
                 module.register_forward_pre_hook(partial(self._wait_gathers, buckets))
 
     # -- the interface the trainer sees ------------------------------------------------------
+    def begin_step(self, backward_passes: int | None = None) -> None:
+        """Zero the gradients for a step of ``backward_passes`` backward passes (its
+        micro-batches): each bucket is reduced as soon as the last of them has filled it.
+        None: reduce everything in :meth:`reduce_gradients`."""
+        self.reducer.begin_step(backward_passes)
+
     def zero_grad(self) -> None:
-        self.reducer.zero()
+        self.begin_step(None)
 
     @torch.no_grad()
     def reduce_gradients(self) -> torch.Tensor:
         """Reduce the gradients into this rank's fp32 shard (summed over micro-batches,
         averaged over dp); return the shard's share of the squared global norm (its owner
-        pieces: the other shards and model parts are counted on other ranks)."""
+        pieces: the other shards and model parts are counted on other ranks; at stage 0,
+        where every dp rank holds the same average, dp rank 0 counts it)."""
         with comm_span(self.timeline, "grad sync"):
             self.wait_for_params()
             self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
+            if self._tied_views:
+                # the embedding (first stage) and the head (last stage) are one tensor: both
+                # take the sum of their gradients, so the two copies stay equal
+                flat = torch.cat(self._tied_views) if len(self._tied_views) > 1 else self._tied_views[0]
+                all_reduce(flat, self.topo.embed_group)
+                if flat is not self._tied_views[0]:
+                    torch._foreach_copy_(self._tied_views, list(flat.split([v.numel() for v in self._tied_views])))
         # Parameters several tp ranks hold with partial gradients (norms under sequence
         # parallelism, replicated kv-heads): sum their pieces of the shard over the tp
         # holders. Summing commutes with the dp mean, and every rank of a tp group has the
         # same bucket layout and dp_rank, so the pieces line up.
         with comm_span(self.timeline, "grad norm"):
             sum_over_tp_holders(self._partial_pieces, self.topo)
-        return squared_norm(self._norm_views, self.reducer.shard.device)
+        counted = self._norm_views if self.shards_over_dp or self.dp_rank == 0 else []
+        return squared_norm(counted, self.reducer.shard.device, pieces=True)
 
     @torch.no_grad()
     def apply(self, lr: float, norm: torch.Tensor, skip: bool = False) -> None:
@@ -207,14 +270,15 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self._publish_params()
 
     def _publish_params(self) -> None:
-        """Updated master shards -> parameter buffer -> all-gathered to every dp rank.
+        """Updated master shards -> parameter buffer -> (stages 1, 2) all-gathered to every
+        dp rank.
 
         Buckets are sent last-first: the last bucket holds the first layers, which the
         next forward pass needs first."""
         for b in reversed(range(len(self.layout.buckets))):
             if not self.master_is_param:
                 self.param_shards[b].copy_(self.masters[b], non_blocking=True)
-            if self.dp_group is not None:
+            if self.shards_over_dp and self.dp_group is not None:
                 bucket = self.layout.buckets[b]
                 out = self.param_buffer[bucket.offset:bucket.offset + bucket.numel]
                 self._gathers[b] = all_gather_flat(out, self.param_shards[b], group=self.dp_group,
@@ -256,8 +320,9 @@ class ZeroOptimizer(GlobalNormOptimizer):
         """This rank's shard: master weights (when they are not the parameters), moments,
         step, and the layout they belong to (checked on load)."""
         self.wait_for_params()
-        state = {"stage": self.stage, "step": self.step_count, "dp": self.dp, "dp_rank": self.dp_rank,
-                 "bucket_numels": [b.numel for b in self.layout.buckets], "adam": self.adam.state_dict()}
+        state = {"stage": self.stage, "step": self.step_count, "dp": self.shard_dp,
+                 "dp_rank": self.shard_rank, "bucket_numels": [b.numel for b in self.layout.buckets],
+                 "adam": self.adam.state_dict()}
         if self.master_flat is not None:
             state["master"] = self.master_flat
         return state
@@ -265,10 +330,10 @@ class ZeroOptimizer(GlobalNormOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         mine = [b.numel for b in self.layout.buckets]
-        if (state["dp"], state["dp_rank"], state["bucket_numels"]) != (self.dp, self.dp_rank, mine):
+        if (state["dp"], state["dp_rank"], state["bucket_numels"]) != (self.shard_dp, self.shard_rank, mine):
             raise ValueError(f"optimizer shard was saved for dp={state['dp']} rank {state['dp_rank']} "
-                             f"with buckets {state['bucket_numels']}; this rank has dp={self.dp} rank "
-                             f"{self.dp_rank} with buckets {mine}")
+                             f"with buckets {state['bucket_numels']}; this rank has dp={self.shard_dp} "
+                             f"rank {self.shard_rank} with buckets {mine}")
         self.wait_for_params()
         self.step_count = state["step"]
         self.adam.load_state_dict(state["adam"])

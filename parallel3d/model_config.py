@@ -1,0 +1,59 @@
+"""The model a job's ``[model]`` section names: a preset with fields overridden, or a
+Hugging Face folder's config.json (``model.hf_checkpoint``).
+
+Above the model and checkpoint code it reads (a preset, an HF folder's config.json) and
+below both the trainer and the planner, which each resolve a job's model: neither imports
+the other for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from parallel3d.config import ModelConfig
+from parallel3d.errors import UserError
+
+from parallel3d.models.llama import PRESETS, LlamaConfig, config_from_preset
+
+
+def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
+    if cfg.hf_checkpoint:
+        return _model_config_from_hf(cfg)
+    if cfg.preset == "hf":
+        raise UserError("model.preset 'hf' takes the model from a Hugging Face folder: set "
+                        "model.hf_checkpoint (--model.hf_checkpoint=DIR, a folder with config.json "
+                        "and *.safetensors)")
+    overrides = {k: v for k, v in asdict(cfg).items() if k != "preset"}
+    try:
+        model_cfg = config_from_preset(cfg.preset, **overrides)
+        model_cfg.validate()
+    except ValueError as e:
+        hint = " or 'hf' (with model.hf_checkpoint)" if cfg.preset not in PRESETS else ""
+        raise UserError(f"{e}{hint}") from None
+    return model_cfg
+
+
+def _model_config_from_hf(cfg: ModelConfig) -> LlamaConfig:
+    """The shape comes from the folder's config.json; a model.* field set as well must agree
+    (init_std excepted: the weights come from the folder)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from parallel3d.checkpoint.hf import model_config_from_folder
+
+    folder = Path(cfg.hf_checkpoint)
+    if not folder.is_dir():
+        raise UserError(f"model.hf_checkpoint '{folder}' is not a folder: give a Hugging Face "
+                        "model folder (config.json + safetensors)")
+    model_cfg = model_config_from_folder(folder)
+    for key, value in asdict(cfg).items():
+        if key in ("preset", "hf_checkpoint", "init_std") or value is None:
+            continue
+        if getattr(model_cfg, key) != value:
+            raise UserError(f"model.{key} = {value!r} disagrees with model.hf_checkpoint's config.json "
+                            f"({getattr(model_cfg, key)!r}): drop model.{key}")
+    if cfg.init_std is not None:
+        model_cfg = replace(model_cfg, init_std=cfg.init_std)
+    return model_cfg
+
+

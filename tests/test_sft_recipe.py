@@ -1,0 +1,116 @@
+"""recipes/sft_chat.toml end to end through the command line (issue 19, point 5): a random
+Hugging Face Llama with a ChatML tokenizer is the model, `prepare-data --format chat` makes
+the data from a small conversation file, `train` runs the recipe (shrunk for CPU) until
+the model has learned the conversations, and the exported Hugging Face folder, loaded with
+transformers, answers a training prompt with its trained answer under greedy decoding."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from parallel3d.config import load_config
+from parallel3d.planner.hardware import FRAGMENTATION, gpu_named, usable_bytes
+from parallel3d.train.dryrun import dry_run
+
+from chat_inputs import make_chat_tokenizer, write_jsonl
+from helpers import write_llama31_8b_config
+
+transformers = pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "sft_chat.toml"
+CONVERSATIONS = [
+    ("What colour is the sky?", "Blue, on a clear day."),
+    ("Name a prime number.", "Seven."),
+    ("Where does the sun rise?", "In the east."),
+    ("How many legs has a spider?", "Eight legs."),
+    ("What do bees make?", "Honey and wax."),
+]
+
+
+def _cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "parallel3d.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    """A random Llama saved by transformers, with a ChatML tokenizer in the same folder."""
+    folder = tmp_path_factory.mktemp("hf_chat")
+    make_chat_tokenizer(folder, "chatml")
+    cfg = transformers.LlamaConfig(vocab_size=608, hidden_size=64, intermediate_size=160,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow  # ~35 s: prepare-data, a 2-process run, generation
+def test_sft_recipe_learns_conversations_and_the_export_answers_them(chat_model, tmp_path):
+    rows = []
+    for copy in range(12):  # every 5th conversation held out: rotated, so each one is
+        for k in range(len(CONVERSATIONS)):  # held out in some copies and trained in others
+            i = (k + copy) % len(CONVERSATIONS)
+            question, answer = CONVERSATIONS[i]
+            system = [{"role": "system", "content": "Answer briefly."}] if (copy + i) % 2 else []
+            rows.append({"messages": system + [{"role": "user", "content": question},
+                                               {"role": "assistant", "content": answer}]})
+    write_jsonl(tmp_path / "chats.jsonl", rows)
+    data = tmp_path / "data"
+    proc = _cli(["prepare-data", str(tmp_path / "chats.jsonl"), "--format", "chat", "--tokenizer",
+                 str(chat_model), "--out", str(data), "--val-fraction", "0.2", "--workers", "1",
+                 "--quiet"], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "no conversation dropped" in proc.stdout, proc.stdout
+    run = tmp_path / "run"
+    # The recipe's packing, schedule, ZeRO stage, clipping and export as they are; two
+    # processes instead of eight, small windows and batches, and a learning rate for a
+    # random model that must memorise five answers in 60 steps.
+    proc = _cli(["train", str(RECIPE), f"--model.hf_checkpoint={chat_model}", f"--data.path={data}",
+                 f"--run.dir={run}", "--parallel.dp=2", "--launch.nproc=2", "--train.steps=60",
+                 "--train.seq_len=64", "--train.global_batch=4", "--train.warmup_steps=5",
+                 "--train.lr=1e-2", "--train.log_interval=100", "--eval.interval=30",
+                 "--eval.batches=1", "--checkpoint.interval=0"], timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] < 0.1 < records[0]["loss"], [r["loss"] for r in records]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(val) == 2 and val[1] < 0.1, val  # the held-out copies: the same answers
+
+    out = run / "hf"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    for question, answer in CONVERSATIONS:
+        prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
+                                         add_generation_prompt=True, return_dict=False)
+        ids = torch.tensor([list(prompt)])
+        with torch.no_grad():
+            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                 do_sample=False, eos_token_id=end, pad_token_id=end)
+        assert tok.decode(got[0, ids.shape[1]:]) == answer + "<|im_end|>", question
+
+
+def test_sft_recipe_fits_an_h100_for_llama31_8b(tmp_path):
+    """The recipe's comment quotes finetune_hf.toml's per-GPU memory (the same layout,
+    seq_len and micro-batch; test_finetune_recipe checks that figure against the planner's
+    own output): the same words, and the dry run on Llama 3.1 8B agrees with it to the
+    printed precision and fits an H100."""
+    import re
+
+    finetune = (RECIPE.parent / "finetune_hf.toml").read_text()
+    quoted = re.search(r"predicted at ([\d.]+) GiB per GPU", finetune).group(1)
+    assert f"at {quoted} GiB per GPU" in RECIPE.read_text()
+    cfg = load_config(RECIPE, [f"--model.hf_checkpoint={write_llama31_8b_config(tmp_path / 'm')}",
+                               f"--data.path={tmp_path / 'data'}", "--launch.backend=nccl"])
+    found = dry_run(cfg, 8, out=lambda line: None)
+    worst = max(s.peak for s in found["stages"]) * (1 + FRAGMENTATION)
+    assert f"{worst / 2**30:.1f}" == quoted
+    assert worst <= usable_bytes(gpu_named("h100-80g"))

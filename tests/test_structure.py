@@ -1,0 +1,103 @@
+"""The shape of the code base: imports flow one way (no cycle between modules or between
+subpackages) and docs/architecture.md's module map names each file once, and only files
+that exist."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# installed names -> source folders (pyproject's package-dir)
+PACKAGES = {"parallel3d": "parallel3d", "parallel3d.kernels": "kernels", "parallel3d.models": "models"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for base, folder in PACKAGES.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([base, *parts])] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every project module ``name`` imports, at the top or inside a function."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rsplit(".", 1)[0]
+                base = f"{anchor}.{base}" if base else anchor
+            # a name that is a submodule imports that module (the package's __init__ runs
+            # first, as for any submodule: not an edge of the design); any other name is an
+            # attribute of the module ``base``
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        for t in targets:
+            while t and t not in modules and "." in t:
+                t = t.rsplit(".", 1)[0]
+            if t in modules and t != name:
+                found.add(t)
+    return found
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph``, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if state.get(w) == 1:
+                return stack[stack.index(w):] + [w]
+            if w not in state and (found := visit(w)):
+                return found
+        stack.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def test_imports_have_no_cycle_between_modules_or_subpackages():
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert _cycle(graph) is None, _cycle(graph)
+
+    def sub(name: str) -> str:  # parallel3d.zero.grads -> parallel3d.zero
+        return ".".join(name.split(".")[:2])
+
+    packages: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        packages.setdefault(sub(name), set()).update(sub(d) for d in deps if sub(d) != sub(name))
+    # the parallel3d package itself sits above its subpackages (parallel3d/__init__, cli)
+    packages.pop("parallel3d", None)
+    for deps in packages.values():
+        deps.discard("parallel3d")
+    assert _cycle(packages) is None, _cycle(packages)
+
+
+def test_the_module_map_names_each_existing_file_once():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    rows = re.findall(r"^\| `([^`]+)` \|", text, flags=re.M)
+    assert len(rows) > 40
+    # a module may have two rows when one says more about it (the pipeline half of
+    # parallelize.py); a row named twice with the same text would be a drift
+    lines = [line for line in text.splitlines() if line.startswith("| `")]
+    assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1]
+    for name in rows:
+        assert (ROOT / name.rstrip("/")).exists(), name
