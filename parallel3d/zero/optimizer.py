@@ -213,10 +213,16 @@ class ZeroOptimizer(GlobalNormOptimizer):
             self.adam = FlatAdamW(self.masters, grad, self.layout.shard_offsets(), runs, self.cfg)
 
     def _hook_forward(self, model: torch.nn.Module) -> None:
+        """Before a module's forward, wait for the all-gathers of the buckets holding the
+        parameters it reads: its own, and, for a layer computed together with others
+        (column-parallel layers tied by ``share_input``: the first one called computes
+        all of their outputs), those of every member of its group."""
         index = {id(p): i for i, p in enumerate(self.params)}
         for module in model.modules():
+            shared = getattr(module, "shared_input", None)
+            readers = shared.layers if shared is not None else [module]
             buckets = sorted({self.layout.location[index[id(p)]][0]
-                              for p in module.parameters(recurse=False) if id(p) in index})
+                              for m in readers for p in m.parameters(recurse=False) if id(p) in index})
             if buckets:
                 module.register_forward_pre_hook(partial(self._wait_gathers, buckets))
 
