@@ -73,7 +73,10 @@ class ProcessGroupPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+    def run(self, fn, *args, timeout: float | None = None, stop_when=None, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; their results in rank order.
+        ``stop_when()``, if given, is polled while waiting: once true, the pool is killed
+        and :class:`DistributedTestError` raised (a test of ranks that never return)."""
         if not self._procs:
             self._start()
         for q in self._tasks:
@@ -84,6 +87,9 @@ class ProcessGroupPool:
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
             except queue.Empty:
+                if stop_when is not None and stop_when():
+                    self.close(kill=True)
+                    raise DistributedTestError(f"{fn.__name__} on {self.world_size} ranks: stopped") from None
                 dead = [i for i, p in enumerate(self._procs) if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     self.close(kill=True)

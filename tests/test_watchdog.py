@@ -48,11 +48,20 @@ def test_watchdog_reports_a_stuck_collective_before_the_backend_times_out(corpus
     assert backend_timeout_s(True, timeout) >= timeout + 60
     pool = ProcessGroupPool(4, timeout=90)
     reports = [tmp_path / f"failure_rank{r}.txt" for r in range(4)]
-    t0 = time.monotonic()
+    seen: list[float] = []
+
+    def reported() -> bool:  # ranks 0-2 wrote their reports, and a second has passed
+        if not seen and all(reports[r].exists() for r in (0, 1, 2)):
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() - seen[0] > 1.0
+
     try:
-        # the ranks stay blocked (the watchdog only reports here): the pool gives up on them
-        with pytest.raises(DistributedTestError, match="timed out"):
-            pool.run(_stuck_run, job, 3, 3, 120.0, timeout=40)
+        # The ranks stay blocked (the watchdog only reports here): the pool ends them once
+        # the reports are there. Start-up on a loaded machine can take tens of seconds;
+        # the groups' own timeout, 65 s after step 3 began, would end the run otherwise
+        # (as "failed", not "stopped").
+        with pytest.raises(DistributedTestError, match="stopped"):
+            pool.run(_stuck_run, job, 3, 3, 120.0, timeout=300, stop_when=reported)
     finally:
         pool.close(kill=True)
     assert all(reports[r].exists() for r in (0, 1, 2)), [r.name for r in reports if r.exists()]
