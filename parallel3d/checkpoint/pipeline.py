@@ -124,36 +124,45 @@ def read_ahead(source, items: list[Item], budget: int = DEFAULT_BUDGET, threads:
 
 def write_files(stream, files: list[tuple[str, list[Item]]], open_writer, progress=None) -> dict:
     """Consume ``stream`` (from :func:`read_ahead`, in the order of ``files``' items) into
-    ``open_writer(file, items)``; returns ``{file: {"size", "digest"}}``."""
-    records = {}
+    ``open_writer(file, items)``; returns ``{file: {"size", "digest"}}``. A finished file is
+    closed (fsynced) on a thread while the next one is written; all are closed on return."""
+    closing: dict = {}
     it = iter(stream)
-    for file, members in files:
-        writer = open_writer(file, members)
-        try:
-            for want in members:
-                item, tensor = next(it)
-                assert item is want, (item.name, want.name)
-                if isinstance(tensor, zerocopy.Tiles):
-                    if hasattr(writer, "write_tiles"):
-                        writer.write_tiles(item.key, tensor)
-                    else:
-                        writer.write(item.key, tensor.assemble())
-                    for part in tensor.parts:
-                        zerocopy.release(part)
-                else:
-                    writer.write(item.key, tensor)
-                    zerocopy.release(tensor)  # a view of a source file: its pages go
-                if progress is not None:
-                    progress(item.nbytes)
-                del tensor
-        except BaseException:
-            abort = getattr(writer, "abort", None)
-            if abort is not None:
-                abort()
-            raise
-        size, sha = writer.close()
-        records[file] = {"size": size, "digest": sha}
+    with ThreadPoolExecutor(1, thread_name_prefix="p3d-close") as closer:  # waits for every close
+        for file, members in files:
+            writer = open_writer(file, members)
+            try:
+                for want in members:
+                    item, tensor = next(it)
+                    assert item is want, (item.name, want.name)
+                    _write_one(writer, item, tensor)
+                    if progress is not None:
+                        progress(item.nbytes)
+                    del tensor
+            except BaseException:
+                abort = getattr(writer, "abort", None)
+                if abort is not None:
+                    abort()
+                raise
+            closing[file] = closer.submit(writer.close)
+    records = {}
+    for file, fut in closing.items():
+        size, digest = fut.result()  # raises the close's error (a failed fsync)
+        records[file] = {"size": size, "digest": digest}
     return records
+
+
+def _write_one(writer, item: Item, tensor) -> None:
+    if isinstance(tensor, zerocopy.Tiles):
+        if hasattr(writer, "write_tiles"):
+            writer.write_tiles(item.key, tensor)
+        else:
+            writer.write(item.key, tensor.assemble())
+        for part in tensor.parts:
+            zerocopy.release(part)
+    else:
+        writer.write(item.key, tensor)
+        zerocopy.release(tensor)  # a view of a source file: its pages go
 
 
 class Progress:
