@@ -5,7 +5,8 @@ The folder is what ``dcp.save(model.state_dict(), checkpoint_id=DST)`` writes fr
 rank: each tensor whole, as one chunk (a ``torch.save`` archive appended to a
 ``__0_<i>.distcp`` file), keys in Hugging Face's state-dict naming, and ``.metadata``
 (torch's ``Metadata`` dataclasses, pickled: the one file DCP defines that way). Loading
-reshards: an FSDP2 model reads its own rows of each chunk.
+reshards: an FSDP2 model reads its own rows of each chunk. ``.metadata`` is pickled by
+:mod:`.dcp_metadata` without importing torch's DCP package.
 
 Each chunk is the archive ``torch.save(tensor)`` writes (what DCP's reader hands to
 ``torch.load(weights_only=True)``), built here rather than by ``torch.save``, which
@@ -26,13 +27,13 @@ import math
 import os
 import pickle
 import struct
-import threading
 import uuid
 import zlib
 from pathlib import Path
 
 import torch
 
+from .dcp_metadata import metadata_bytes
 from .hashed_file import HashedFile
 from .zerocopy import Tiles
 
@@ -176,39 +177,15 @@ class DCPFileWriter:
         self.file.abort()
 
 
-def _import_metadata_classes() -> None:
-    import torch.distributed.checkpoint.filesystem  # noqa: F401
-    import torch.distributed.checkpoint.metadata  # noqa: F401
-
-
-def prepare_metadata() -> None:
-    """Start importing torch's DCP classes (0.6 s of CPU, about a fifth of a naive 2 GB
-    load-and-save) on a thread, to overlap the tensors' writing; :func:`write_metadata`'s
-    own import then finds them loaded, or waits for the module lock."""
-    threading.Thread(target=_import_metadata_classes, name="p3d-dcp-import", daemon=True).start()
-
-
 def write_metadata(folder: Path, writers: list[DCPFileWriter]) -> None:
-    """``.metadata`` for the tensors the writers wrote (each whole, one chunk)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       StorageMeta, TensorProperties,
-                                                       TensorStorageMetadata)
-
-    state, storage, planner = {}, {}, {}
-    for w in writers:
-        for key, meta, start, length in w.records:
-            zeros = torch.Size([0] * meta.ndim)
-            state[key] = TensorStorageMetadata(TensorProperties(dtype=meta.dtype), meta.shape,
-                                               [ChunkStorageMetadata(zeros, meta.shape)])
-            storage[MetadataIndex(key, zeros)] = _StorageInfo(w.name, start, length)
-            planner[key] = (key,)
-    metadata = Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
-                        storage_meta=StorageMeta(checkpoint_id=str(folder), save_id=str(uuid.uuid4())),
-                        version="1.0.0")
+    """``.metadata`` for the tensors the writers wrote (each whole, one chunk): torch's
+    ``Metadata`` pickled (:mod:`.dcp_metadata`), fsynced, renamed into place."""
+    records = [(key, w.name, meta.shape, meta.dtype, start, length)
+               for w in writers for key, meta, start, length in w.records]
+    data = metadata_bytes(records, str(folder), str(uuid.uuid4()))
     tmp = folder / (METADATA + ".tmp")
     with open(tmp, "wb") as f:
-        pickle.dump(metadata, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, folder / METADATA)

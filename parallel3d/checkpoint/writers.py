@@ -21,7 +21,7 @@ import torch
 from parallel3d.models.llama.hf import config_from_hf, config_to_hf, name_to_hf
 
 from .dcp_read import read_metadata
-from .dcp_write import DCPFileWriter, prepare_metadata, write_metadata
+from .dcp_write import DCPFileWriter, write_metadata
 from .errors import CheckpointError
 from .format import INDEX, Index, Piece, TensorEntry, model_identity
 from .hf import INDEX_NAME, SINGLE_NAME, hf_order, plan_shards
@@ -98,7 +98,6 @@ def write_dcp(tmp: Path, source, *, cast=None, max_shard_bytes: int, progress=No
     """A DCP folder with Hugging Face keys (see :mod:`.dcp_write`), plus config.json. A
     tied head is written under ``lm_head.weight`` too: Hugging Face's ``state_dict()``
     lists it, and ``dcp.load`` wants every key it is given."""
-    prepare_metadata()
     names = hf_order([n for n in source.names() if n.startswith("model/")])
     items = make_items(source, names, lambda n: name_to_hf(n[6:]), cast)
     if source.model_config.tie_embeddings:
