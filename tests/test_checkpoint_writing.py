@@ -76,6 +76,29 @@ def test_hashed_file_writes_tensors_and_tiles_as_their_bytes(tmp_path, algorithm
     assert (size, digest) == (len(want), ref)
 
 
+def test_writes_that_return_before_hashing_keep_the_order_and_call_then_after(tmp_path):
+    """With ``then``, write_tensor / write_tiles return once written and the helper hashes
+    behind; the file's digest is still that of the bytes in order, and each ``then`` runs
+    after its own bytes were hashed (the pipeline drops the source's pages there)."""
+    from parallel3d.checkpoint import hashed_file
+
+    f = HashedFile(tmp_path / "x", "crc32")
+    hashed, calls, want = [], [], b""
+    real = f._hash_runs
+    f._hash_runs = lambda runs, crc, own: (real(runs, crc, own), hashed.append(sum(r.nbytes for r in runs)))
+    g = torch.Generator().manual_seed(2)
+    for i in range(6):  # 4 MB each: over the threshold, under the lag bound, so nothing waits
+        t = torch.randn(1000, 1000, generator=g)
+        f.write_tensor(t, then=lambda i=i, n=len(want) + t.numel() * 4: calls.append((i, sum(hashed) >= n)))
+        want += _bytes(t)
+        f.write(b"xyz")  # a small write in between waits for the helper: bytes stay in order
+        want += b"xyz"
+    size, digest = f.close()
+    assert (tmp_path / "x").read_bytes() == want and (size, digest) == (len(want), f"{zlib.crc32(want):08x}")
+    assert calls == [(i, True) for i in range(6)]
+    assert hashed_file._MAX_LAG >= 4 << 20
+
+
 def test_tiles_that_do_not_make_the_tensor_are_refused():
     with pytest.raises(ValueError, match="do not make"):
         Tiles(1, [torch.zeros(3, 2), torch.zeros(3, 2)], (3, 5), torch.float32)

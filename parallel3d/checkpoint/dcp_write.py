@@ -147,8 +147,8 @@ class DCPFileWriter:
         self.file = HashedFile(folder / name, algorithm)
         self.records: list[tuple[str, torch.Tensor, int, int]] = []  # key, meta tensor, offset, length
 
-    def write(self, key: str, tensor) -> None:
-        """Append ``tensor`` (a tensor, or :class:`Tiles`) as one archive."""
+    def write(self, key: str, tensor, then=None) -> None:
+        """Append ``tensor`` (a tensor, or :class:`Tiles`) as one archive; ``then()`` after."""
         start = self.file.size
         pkl = tensor_pickle(tensor.dtype, tensor.shape)
         if pkl is None:
@@ -167,6 +167,8 @@ class DCPFileWriter:
             archive.finish()
         self.records.append((key, torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta"),
                              start, self.file.size - start))
+        if then is not None:
+            then()
 
     write_tiles = write
 

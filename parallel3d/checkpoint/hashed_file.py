@@ -38,6 +38,7 @@ from .zerocopy import Tiles
 
 _PARALLEL_HASH = 1 << 20  # bytes from which data is hashed on the helper thread, behind the writes
 _HASH_CHUNK = 8 << 20  # written, then hashed while the next piece is written
+_MAX_LAG = 64 << 20  # bytes written but not yet hashed that a writer may run ahead by
 _IOV_MAX = 1024  # Linux's IOV_MAX: the most buffers one writev takes
 _CRC_POLY = 0xEDB88320  # CRC-32 (zlib), bit-reflected
 
@@ -138,6 +139,7 @@ class HashedFile:
         self._hash = hashlib.sha256() if algorithm == "sha256" else Crc32()
         self.algorithm = algorithm
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="p3d-hash")
+        self._lagging: list = []  # (future, bytes) the helper has yet to finish, in order
         self.size = 0
 
     # -- writing -----------------------------------------------------------------------------
@@ -147,36 +149,58 @@ class HashedFile:
         self._write_runs([view])
         return view.nbytes
 
-    def write_tensor(self, t: torch.Tensor, crc: bool = False) -> int | None:
-        """Write the tensor's bytes; with ``crc``, return their own CRC-32 (from 0)."""
-        return self._write_runs([tensor_bytes(t)], crc)
+    def write_tensor(self, t: torch.Tensor, crc: bool = False, then=None) -> int | None:
+        """Write the tensor's bytes; with ``crc``, return their own CRC-32 (from 0). With
+        ``then`` (and no ``crc``), return once written: the helper hashes the bytes behind
+        and calls ``then()`` when done with them (the pipeline drops the source's pages)."""
+        return self._write_runs([tensor_bytes(t)], crc, then)
 
-    def write_tiles(self, tiles: Tiles, crc: bool = False) -> int | None:
-        """Write the tensor that ``tiles`` tile (see the module); ``crc`` as :meth:`write_tensor`."""
-        return self._write_runs(tile_runs(tiles), crc)
+    def write_tiles(self, tiles: Tiles, crc: bool = False, then=None) -> int | None:
+        """Write the tensor that ``tiles`` tile (see the module); ``crc`` and ``then`` as
+        :meth:`write_tensor`."""
+        return self._write_runs(tile_runs(tiles), crc, then)
 
-    def _write_runs(self, runs: list[memoryview], crc: bool = False) -> int | None:
+    def _write_runs(self, runs: list[memoryview], crc: bool = False, then=None) -> int | None:
         """Write ``runs`` in pieces of at most ``_HASH_CHUNK`` bytes, each hashed on the helper
         thread once written (see the module: hashing a piece before or while it is written
-        doubles what the write's copy costs)."""
+        doubles what the write's copy costs). Without ``then``, or with ``crc`` (whose value
+        is wanted now), returns once every piece is hashed; with ``then``, once written,
+        leaving at most ``_MAX_LAG`` bytes to hash (a wait per tensor costs two thread
+        wake-ups, which a loaded machine makes slow)."""
         nbytes = sum(r.nbytes for r in runs)
         own = [0]  # the runs' own CRC-32 so far (the helper hashes the pieces in order)
-        if nbytes < _PARALLEL_HASH:
+        if nbytes < _PARALLEL_HASH and not self._lagging:
             self._writev(runs)
             self._hash_runs(runs, crc, own)
         else:
-            pending = []
+            mine = []
             try:
                 for piece in _pieces(runs, _HASH_CHUNK):
                     self._writev(piece)
-                    pending.append(self._pool.submit(self._hash_runs, piece, crc, own))
+                    mine.append((self._pool.submit(self._hash_runs, piece, crc, own), sum(r.nbytes for r in piece)))
             finally:
-                for f in pending:  # also when a write failed: the helper must let go of the runs
-                    f.result()
+                self._lagging.extend(mine)
+                if then is None or crc:  # also when a write failed: the helper must let go of the runs
+                    self._catch_up(0)
         if crc and isinstance(self._hash, Crc32):
             self._hash.value = crc32_combine(self._hash.value, own[0], nbytes)
         self.size += nbytes
+        if then is not None:
+            if self._lagging:
+                self._lagging.append((self._pool.submit(then), 0))
+                self._catch_up(_MAX_LAG)
+            else:
+                then()
         return own[0] if crc else None
+
+    def _catch_up(self, lag: int) -> None:
+        """Wait for the helper until at most ``lag`` bytes are left to hash."""
+        while self._lagging and sum(n for _, n in self._lagging) > lag:
+            fut, _ = self._lagging.pop(0)
+            fut.result()
+        if lag == 0:
+            while self._lagging:
+                self._lagging.pop(0)[0].result()
 
     def _hash_runs(self, runs: list[memoryview], crc: bool, own: list[int]) -> None:
         """The file's hash updated with ``runs``; with ``crc``, their own CRC-32 in ``own[0]``
@@ -213,15 +237,17 @@ class HashedFile:
         """Nothing is buffered here (every write is a system call)."""
 
     def close(self) -> tuple[int, str]:
-        """fsync and close; returns (size, hex digest)."""
+        """Finish hashing, fsync and close; returns (size, hex digest)."""
         try:
+            self._catch_up(0)
             os.fsync(self._fd)
         finally:
             self.abort()
         return self.size, self._hash.hexdigest()
 
     def abort(self) -> None:
+        self._pool.shutdown()  # waits for the helper: it may still read the written tensors
+        self._lagging.clear()
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._pool.shutdown()

@@ -153,16 +153,20 @@ def write_files(stream, files: list[tuple[str, list[Item]]], open_writer, progre
 
 
 def _write_one(writer, item: Item, tensor) -> None:
-    if isinstance(tensor, zerocopy.Tiles):
-        if hasattr(writer, "write_tiles"):
-            writer.write_tiles(item.key, tensor)
-        else:
-            writer.write(item.key, tensor.assemble())
-        for part in tensor.parts:
+    """Write one tensor; a view's pages are dropped once the writer is done with them
+    (``then``: by the writer's hashing thread, once it has hashed them)."""
+    parts = tensor.parts if isinstance(tensor, zerocopy.Tiles) else [tensor]
+
+    def release() -> None:
+        for part in parts:
             zerocopy.release(part)
+
+    if not isinstance(tensor, zerocopy.Tiles):
+        writer.write(item.key, tensor, then=release)
+    elif hasattr(writer, "write_tiles"):
+        writer.write_tiles(item.key, tensor, then=release)
     else:
-        writer.write(item.key, tensor)
-        zerocopy.release(tensor)  # a view of a source file: its pages go
+        writer.write(item.key, tensor.assemble(), then=release)
 
 
 class Progress:

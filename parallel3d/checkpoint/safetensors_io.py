@@ -90,23 +90,24 @@ class StreamingWriter:
         self._file.write(struct.pack("<Q", len(text)))
         self._file.write(text)
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
+    def write(self, key: str, tensor: torch.Tensor, then=None) -> None:
+        """Write tensor ``key`` (the next in ``specs``); ``then``: see :meth:`HashedFile.write_tensor`."""
         if self._next >= len(self._order):
             raise ValueError(f"{self.path.name}: unexpected tensor {key!r}, all were written")
         want_key, dtype, shape, nbytes = self._order[self._next]
         if key != want_key or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"{self.path.name}: expected {want_key} {dtype} {shape}, got "
                              f"{key} {tensor.dtype} {tuple(tensor.shape)}")
-        self._file.write_tensor(tensor)
+        self._file.write_tensor(tensor, then=then)
         self._next += 1
 
-    def write_tiles(self, key: str, tiles: Tiles) -> None:
+    def write_tiles(self, key: str, tiles: Tiles, then=None) -> None:
         """Write tensor ``key`` given as blocks along one dim (see :class:`Tiles`)."""
         want_key, dtype, shape, _ = self._order[self._next] if self._next < len(self._order) else (None,) * 4
         if key != want_key or tiles.dtype != dtype or tuple(tiles.shape) != shape:
             raise ValueError(f"{self.path.name}: expected {want_key} {dtype} {shape}, got {key} "
                              f"{tiles.dtype} as {[tuple(p.shape) for p in tiles.parts]}")
-        self._file.write_tiles(tiles)
+        self._file.write_tiles(tiles, then=then)
         self._next += 1
 
     def close(self) -> tuple[int, str]:
