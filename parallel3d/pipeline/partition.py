@@ -1,10 +1,16 @@
 """Cutting a model's layers into pipeline chunks.
 
 ``pp`` stages times ``v`` virtual stages give ``n_chunks = pp * v`` chunks, each a
-contiguous run of layers. Chunk ``c`` lives on ``pp_rank = c % pp``: with ``v = 1`` chunk
-``c`` is stage ``c``; with the interleaved schedule rank ``r`` holds chunks
-``r, r + pp, r + 2 pp, ...``. Chunk 0 also holds the embedding; the last chunk (on the last
-stage) holds the final norm, the head and the loss.
+contiguous run of layers. Chunk 0 also holds the embedding; the last chunk holds the
+final norm, the head and the loss. Where the chunks live (:func:`chunk_owners`):
+
+* loop (every schedule but zb-v): chunk ``c`` on ``pp_rank = c % pp``; with ``v = 1``
+  chunk ``c`` is stage ``c``; interleaved, rank ``r`` holds ``r, r + pp, r + 2 pp, ...``
+  and the last chunk is on the last rank;
+* V (``zb-v``, two chunks per rank): chunk ``c`` on rank ``c`` for ``c < pp`` and on rank
+  ``2 pp - 1 - c`` after, so the model goes down the ranks and comes back up: rank ``r``
+  holds ``r`` and ``2 pp - 1 - r``, rank ``pp - 1`` the two middle chunks (their hand-over
+  stays on the rank), rank 0 the embedding and the head.
 
 The split rule (used when ``parallel.pp_layers`` does not set it by hand)
 -------------------------------------------------------------------------
@@ -38,9 +44,23 @@ from fractions import Fraction
 from parallel3d.errors import UserError
 
 
-def rank_chunks(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The global chunks held by ``pp_rank``, in order: ``pp_rank + j * pp``."""
-    return [pp_rank + j * pp for j in range(virtual_stages)]
+V_SHAPED_SCHEDULES = ("zb-v",)  # schedules whose chunks go down the ranks and back up
+
+
+def chunk_owners(pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """The pipeline rank holding each global chunk (module docstring): ``c % pp``, or the
+    V of ``zb-v`` (``virtual_stages`` 2)."""
+    n = pp * virtual_stages
+    if schedule in V_SHAPED_SCHEDULES:
+        assert virtual_stages == 2, virtual_stages
+        return [c if c < pp else 2 * pp - 1 - c for c in range(n)]
+    return [c % pp for c in range(n)]
+
+
+def rank_chunks(pp_rank: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """The global chunks held by ``pp_rank``, in order: ``pp_rank + j * pp`` (loop), or
+    ``pp_rank, 2 pp - 1 - pp_rank`` (V)."""
+    return [c for c, r in enumerate(chunk_owners(pp, virtual_stages, schedule)) if r == pp_rank]
 
 
 def _caps(bound: Fraction, extras: list[Fraction]) -> list[int]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 LANES = ("compute", "comm")
-BUSY = ("forward", "backward")  # span categories that count as work in the bubble
+BUSY = ("forward", "backward", "weight")  # span categories that count as work in the bubble
 
 
 class _CpuClock:
@@ -59,6 +59,7 @@ class Timeline:
         self.record_steps = record_steps
         self.recorded: list[dict] = []  # {"step", "offset_s", "spans": [(name, cat, lane, t0, t1, args)]}
         self.last_bubble: float | None = None
+        self.last_shares: dict[str, float] = {}  # share of the last window per BUSY category
         self._origin = None  # mark of the first step's start
         self._step = None
 
@@ -119,8 +120,12 @@ class Timeline:
             window = self.clock.seconds(step["start"], step["work_end"]) + self.clock.seconds(t0, t1)
         else:
             window = self.clock.seconds(step["start"], end)
-        busy = sum(self.clock.seconds(t0, t1) for _, cat, _, t0, t1, _ in step["spans"] if cat in BUSY)
-        self.last_bubble = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
+        per = dict.fromkeys(BUSY, 0.0)
+        for _, cat, _, t0, t1, _ in step["spans"]:
+            if cat in per:
+                per[cat] += self.clock.seconds(t0, t1)
+        self.last_shares = {cat: t / window if window > 0 else 0.0 for cat, t in per.items()}
+        self.last_bubble = max(0.0, 1.0 - sum(per.values()) / window) if window > 0 else 0.0
         return self.last_bubble
 
     def step_breakdown(self) -> dict[str, float]:
