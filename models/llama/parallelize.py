@@ -259,16 +259,17 @@ class _SplitRMSNormFn(_RMSNormFn):
     @staticmethod
     def backward(ctx, dy):
         x, weight, rstd = ctx.saved_tensors
-        n32 = x.to(rstd.dtype) * rstd
+        dw = None
         if ctx.needs_input_grad[1]:
             param = ctx.weight
 
-            def weight_grads() -> list:
-                return [(param, (dy * n32.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype))]
+            def weight_grads() -> list:  # keeps x, rstd and dy (not an fp32 copy of x r)
+                n = (x.to(rstd.dtype) * rstd).to(x.dtype)
+                return [(param, (dy * n).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype))]
 
-            dw = None if defer(weight_grads) else weight_grads()[0][1]
-        else:
-            dw = None
+            if not defer(weight_grads):
+                dw = weight_grads()[0][1]
+        n32 = x.to(rstd.dtype) * rstd
         g = (dy * weight).to(rstd.dtype)
         dx = rstd * (g - n32 * (g * n32).mean(-1, keepdim=True))
         return dx.to(x.dtype), dw, None

@@ -51,7 +51,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     micro_batch: int = 1
-    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved (ignored when pp == 1)
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v (ignored when pp == 1)
     virtual_stages: int = 1
     zero: int = 0
     recompute: str = "none"
@@ -106,6 +106,9 @@ def _layer_split(model, pp: int, virtual_stages: int, pp_layers: tuple[int, ...]
                                list(pp_layers) if pp_layers else None, *stage_costs(model)))
 
 
-def rank_chunks(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """Global chunks held by pipeline rank ``pp_rank``: ``pp_rank + j * pp``."""
-    return [pp_rank + j * pp for j in range(virtual_stages)]
+def rank_chunks(pp_rank: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """Global chunks held by pipeline rank ``pp_rank`` under ``schedule``: ``pp_rank + j * pp``,
+    or zb-v's ``pp_rank, 2 pp - 1 - pp_rank`` (``parallel3d.pipeline.partition``)."""
+    from parallel3d.pipeline.partition import rank_chunks as placed
+
+    return placed(pp_rank, pp, virtual_stages, schedule)

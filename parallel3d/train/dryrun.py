@@ -215,7 +215,7 @@ def _print_split(cfg: JobConfig, split: list[int], out) -> None:
         bounds.append((first, first + n - 1))
         first += n
     for r in range(par.pp):
-        chunks = rank_chunks(r, par.pp, par.virtual_stages)
+        chunks = rank_chunks(r, par.pp, par.virtual_stages, par.schedule)
         spans = ", ".join(f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
                           for lo, hi in (bounds[c] for c in chunks))
         ranks = grid.group_ranks("dp", grid.rank_of(0, r, 0))
