@@ -172,11 +172,15 @@ def comm_span(timeline: Timeline | None, name: str):
 def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
     """One Chrome-trace object from every rank's ``Timeline.export()``.
 
-    Step ``s`` of every rank starts at rank 0's offset of step ``s``; times in microseconds.
+    Step ``s`` of every rank starts at rank 0's offset of step ``s``, or later: never before
+    that rank's previous step ended (ranks leave a step's closing collective a little apart,
+    so a rank's step can last longer than rank 0's, and its steps would otherwise overlap
+    on its own lanes); times in microseconds.
     """
     events: list[dict] = []
     base = {rec["step"]: rec["offset_s"] for rec in ranks[0]} if ranks else {}
     for pid, (recorded, name) in enumerate(zip(ranks, names)):
+        previous_end = None
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
@@ -185,6 +189,11 @@ def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
                            "args": {"name": lane}})
         for rec in recorded:
             offset = base.get(rec["step"], rec["offset_s"])
+            if rec["spans"]:
+                first = min(t0 for _, _, _, t0, _, _ in rec["spans"])
+                if previous_end is not None:
+                    offset = max(offset, previous_end - first)
+                previous_end = offset + max(t1 for _, _, _, _, t1, _ in rec["spans"])
             for span_name, cat, lane, t0, t1, args in rec["spans"]:
                 events.append({
                     "name": span_name, "cat": cat, "ph": "i" if cat == "mark" else "X", "pid": pid,

@@ -117,7 +117,7 @@ def bubble_seconds(schedule: str, pp: int, v: int, m: int, f: float, b: float, w
     if schedule == "zb-v":
         if pp > SIMULATED_ZB_V_UP_TO:
             return (pp - 1) * max(f + b - w, f, b) / 2
-        return f * _zb_v_idle(pp, min(m, 2 * pp - 1), round(b / f, 2), round(w / f, 2))
+        return f * _zb_v_idle(pp, min(m, 2 * pp - 1), round(b / f, 3), round(w / f, 3))
     return (pp - 1) * (f + b + w) / (v if schedule == "interleaved" else 1)
 
 
