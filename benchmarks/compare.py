@@ -16,7 +16,9 @@ side: the median step time (a step lasts as long as its slowest rank; the first
 largest rank (see ``_common.PeakMemory``), the final loss, and parallel3d / peer.
 
 The zero-bubble rows (``pp*-zb-*``) run m = 2 pp micro-batches (of 2 sequences at pp 2,
-of 1 at pp 4, with 8 layers so that zb-v's 2 pp chunks have one each) against torch's
+of 1 at pp 4) of the debug model with 8 layers (with its 4, zb-v's 4 chunks at pp 2 have
+one layer each and rank 0, holding the embedding's and the head's, carries 3.4 layers'
+work against rank 1's 2; with 8 the split rule balances the ranks) against torch's
 ``Schedule1F1B`` (pp stages), ``ScheduleZBVZeroBubble`` (2 pp chunks in zb-v's V) and
 ``ScheduleInterleavedZeroBubble`` (2 pp chunks, interleaved), all cut by our split rule,
 and print below the table each side's peak per stage in its metered run (the last step's
@@ -84,7 +86,7 @@ ROWS = {
                                              ("ScheduleInterleavedZeroBubble",
                                               {"schedule": "interleaved", "virtual_stages": 2}))],
                            f"pp={pp}, {zb}, {2 * pp} micro-batches",
-                           {"micro_batch": 2} if pp == 2 else {"micro_batch": 1, "model": {"n_layers": 8}})
+                           {"micro_batch": 2 if pp == 2 else 1, "model": {"n_layers": 8}})
        for pp in (2, 4) for zb in ("zb-h1", "zb-v")},
     "3d": Row(8, {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
               [("torch 3D: DTensor TP x Schedule1F1B x dp all-reduce", peers.run_torch_3d, {}, None)],

@@ -47,6 +47,23 @@ def test_split_of_real_presets():
     assert resolve_split(8, 2, 2, [1, 3, 3, 1], 0.0, 5.0) == [1, 3, 3, 1]  # by hand wins
 
 
+def test_zb_v_split_balances_the_ranks():
+    """Worked by hand. Rank 0 holds the embedding's chunk and the head's, so the ranks are
+    balanced first (rank 0's cost: its layers + the head), at least two layers each; then
+    each rank's layers go to its chunks r and 2 pp - 1 - r with the closest costs (fewer
+    on the earlier chunk on a tie)."""
+    # 8 layers, pp 2, head 1.42: bound 5 (rank 0 fits 3 + 1.42), ranks [3, 5]; rank 0:
+    # chunk 0 two layers, chunk 3 one (2 | 2.42); rank 1: 2 and 3
+    assert resolve_split(8, 2, 2, None, 0.0, 1.42, schedule="zb-v") == [2, 2, 3, 1]
+    # 16 layers, pp 2: bound 9 (8.42 leaves rank 0 7 and rank 1 8: 15 < 16), ranks
+    # [7, 9]; rank 0: 4 | 3 + 1.42; rank 1: 4 | 5
+    assert resolve_split(16, 2, 2, None, 0.0, 1.42, schedule="zb-v") == [4, 4, 5, 3]
+    # 16 layers, pp 4, head 2.4: bound 5 (4.4 holds 2 + 4 + 4 + 4 = 14), ranks [2, 4, 5, 5]
+    assert resolve_split(16, 4, 2, None, 0.0, 2.4, schedule="zb-v") == [1, 2, 2, 2, 3, 3, 2, 1]
+    # one layer a chunk is all 8 layers allow at pp 4, whatever the costs
+    assert resolve_split(8, 4, 2, None, 0.0, 1.42, schedule="zb-v") == [1] * 8
+
+
 def test_interleaved_chunks_go_round_the_ring():
     assert [rank_chunks(r, 4, 2) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
 

@@ -179,20 +179,22 @@ def test_phase_flops_by_hand():
 
 
 def test_zero_bubble_memory_counts_the_w_stash_by_hand():
-    """zb-h1 at pp 2, m 4 on rank 1 (the last: one micro-batch before its B at most, the
-    others waiting for their W). At its fullest B (the fourth), one micro-batch is whole
-    and one (micro-batch 2: rank 1 keeps one W pending) waits with its W stash: per layer
-    each GEMM's input (2 d for q/k/v and gate/up, d for o, f for down) and output
-    gradient (d + 2 kv for q/k/v, 2 f for gate/up, d each for o and down) and the norms'
-    input and gradient (4 d) plus two fp32 rstd; the head's input, its logits' gradient
-    and the final norm's input and gradient."""
+    """zb-h1 at pp 2, m 4, rank 1 (one layer, the head): its steps F0 B0 F1 B1 (W0 F2) B2
+    (W1 F3) B3 (W2 W3) leave, at each W, no micro-batch before its B and two waiting for
+    their W, which is its peak. A micro-batch waiting keeps per layer each GEMM's input
+    (the two normed inputs, the attention output, the SwiGLU product: 3d + f) and output
+    gradient (q, k, v, o, gate, up, down: 3d + 2kv + 2f), each norm's input and gradient
+    (4d) and two fp32 rstd; per token at the head its input, its logits' gradient and the
+    final norm's input and gradient. The W holds its computed gradients (the rank's
+    parameters: under 16 MiB, one group) and, as every backward, the largest one's."""
     work = Workload(SMALL, 32, 8, "fp32")
-    one = stage_memory(work, Layout(pp=2, micro_batch=2, schedule="1f1b"), 1, [1, 1])
     zb = stage_memory(work, Layout(pp=2, micro_batch=2, schedule="zb-h1"), 1, [1, 1])
     tokens, d, kv, f, V = 64, 64, 32, 160, 512
-    layer = tokens * (4 * (2 * d + d + f + (d + 2 * kv + 2 * f) + 2 * d + 4 * d) + 8)
+    layer = tokens * (4 * ((3 * d + f) + (3 * d + 2 * kv + 2 * f) + 4 * d) + 8)
     head = tokens * (4 * (d + V + 2 * d) + 4)
-    assert zb.activations - one.activations == layer + head
+    assert zb.activations == 2 * (layer + head)
+    params = (2 * d * d + 2 * d * kv + 3 * d * f + 2 * d) + d + V * d  # layer 1, norm, head
+    assert zb.backward_transient == 4 * params + 4 * V * d  # the group, the largest (the head)
     assert [max(a + s for a, _, s, *_ in backward_moments(Layout(pp=2, schedule="zb-h1"), 4, r))
             for r in range(2)] == [2, 2]
 

@@ -218,7 +218,8 @@ def cut_pipeline_stages(model: Llama, topo, parallel_cfg) -> list[Llama]:
     left out of the gradient norm (``p3d_norm_owner = False``)."""
     cfg = model.cfg
     v = parallel_cfg.virtual_stages
-    counts = resolve_split(cfg.n_layers, topo.pp, v, parallel_cfg.pp_layers, *stage_costs(cfg))
+    counts = resolve_split(cfg.n_layers, topo.pp, v, parallel_cfg.pp_layers, *stage_costs(cfg),
+                           schedule=parallel_cfg.schedule)
     ranges = layer_ranges(counts)
     last = len(counts) - 1
     return [_chunk(model, ranges[c], first=c == 0, last=c == last)

@@ -48,7 +48,8 @@ output (``r*d``) per in-flight micro-batch: the runtime stashes it for the backw
 Zero-bubble schedules free a micro-batch's activations in two steps: B (the input
 gradient) frees all but what its W reads, the *W stash* (:func:`layer_stash_bytes`: each
 GEMM's input and output gradient, each norm's input and output gradient; the head's input
-and its logits' gradient, :func:`head_stash_bytes`), and W frees that. Counted alive until
+and its logits' gradient, :func:`head_stash_bytes`), and W frees that; a W itself holds its computed gradients until it hands them to autograd,
+in groups of up to 16 MiB (``kernels/deferred.py``). Counted alive until
 their W: ``min(pp, m)`` on every rank for zb-h1 (``min(pp - r, m)`` of them before their
 B, as 1F1B), ``min(2 pp, m + r + 1)`` chunk-micro-batches for zb-v. The plan's walk
 (:func:`backward_moments`) gives, at each B, how many are before their B and how many
@@ -72,6 +73,7 @@ from functools import lru_cache
 from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, layer_split, rank_chunks
 
 BUCKET_BYTES = 25 * 2**20  # gradient buckets (parallel.bucket_mb)
+FLUSH_BYTES = 16 * 2**20  # a W's weight gradients handed to autograd together (kernels/deferred.py)
 MAX_INFLIGHT = 2  # bucket reductions in flight at once (parallel3d/zero/grads.py)
 INIT_CHUNK_BYTES = 12 * 2**20  # the seeded initialisation's host temporaries (tensor_parallel/init.py)
 
@@ -199,11 +201,11 @@ def head_stash_bytes(model, tokens: int, layout: Layout, act: int) -> int:
 
 
 def backward_moments(layout: Layout, n_micro: int, pp_rank: int) -> list[tuple[int, int, int, int, int, bool]]:
-    """At the start of each backward of ``pp_rank``'s plan (the one the pipeline runtime
-    runs, ``pipeline/schedules.py``), without repeats: (chunk-micro-batches alive before
-    their B, those of the model's last chunk, between their B and W (zero-bubble), those of
-    the last chunk, this rank's chunks that already ran a backward this step, whether this
-    backward is the last chunk's)."""
+    """At the start of each backward (and each W) of ``pp_rank``'s plan (the one the
+    pipeline runtime runs, ``pipeline/schedules.py``), without repeats: (chunk-micro-
+    batches alive before their B, those of the model's last chunk, between their B and W
+    (zero-bubble), those of the last chunk, this rank's chunks that already ran a backward
+    this step, whether this backward is the last chunk's: True / False, None for a W)."""
     schedule = layout.schedule if layout.pp > 1 else "1f1b"  # pp = 1: forward, backward per micro-batch
     return _moments(schedule, layout.pp, layout.virtual_stages, n_micro, pp_rank)
 
@@ -222,6 +224,9 @@ def _moments(schedule: str, pp: int, v: int, n_micro: int, pp_rank: int) -> list
             if a.op == "F":
                 alive[a.chunk] = alive.get(a.chunk, 0) + 1
             elif a.op == "W":
+                # a W's moment: its gradients computed (up to FLUSH_BYTES) beside every stash
+                out.add((sum(alive.values()), alive.get(last, 0), sum(stashed.values()),
+                         stashed.get(last, 0), len(done), None))
                 stashed[a.chunk] -= 1
             else:
                 out.add((sum(alive.values()), alive.get(last, 0), sum(stashed.values()),
@@ -276,7 +281,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     every rank's copy of its slice into a buffer of the bucket's size per reduction in
     flight (NCCL reduces in place)."""
     model, b = work.model, work.bytes
-    split = split or layer_split(model, layout.pp, layout.virtual_stages)
+    split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     n, layers, largest = stage_params(model, layout, pp_rank, split)
     m = layout.n_micro(work)
     mem = StageMemory(stage=pp_rank, layers=layers, params=n)
@@ -318,9 +323,17 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     chunk_stash = per_chunk_layers * layer_stash_bytes(model, tokens, layout, b["act"])
     head_stash = head_stash_bytes(model, tokens, layout, b["act"])
     best = None
+    # A W computes its chunk's weight gradients, handing them to autograd in groups of up
+    # to FLUSH_BYTES (kernels/deferred.py): what exists at once besides the buffers.
+    w_group = min(FLUSH_BYTES, n * b["weight"] // layout.virtual_stages) + largest * b["weight"]
     for alive, alive_last, waiting, waiting_last, done, is_last in backward_moments(layout, m, pp_rank):
         act = (alive * chunk_act + (alive - alive_last) * stashed + alive_last * saved
                + waiting * chunk_stash + waiting_last * head_stash)
+        if is_last is None:  # a W: no recomputation, no loss buffers
+            total = act + mem.full_grads + w_group
+            if best is None or total > best[0]:
+                best = (total, act, w_group, alive + waiting)
+            continue
         # The loss's backward buffers and a rebuilt layer never coexist: the loss's
         # backward ends (freeing them and its micro-batch's saved head) before autograd
         # reaches the last decoder layer and recomputes it.

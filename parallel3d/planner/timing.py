@@ -145,7 +145,7 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     """The step of ``layout``, with the efficiencies ``eff`` (the planner's default:
     ``parallel3d.planner.calibrate.default_efficiency()``)."""
     model, b = work.model, work.bytes
-    split = split or layer_split(model, layout.pp, layout.virtual_stages)
+    split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     m = layout.n_micro(work)
     tokens = layout.micro_batch * work.seq_len
     flop_rate = gpu.peak_flops * eff.compute
