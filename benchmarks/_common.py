@@ -33,7 +33,8 @@ def job(layout: dict, steps: int, global_batch: int = 8, micro_batch: int = 2, s
         corpus_dir: str = CORPUS_DIR, dtype: str = "fp32", preset: str = "debug",
         run_dir: str = "/tmp/p3d-bench-run", model: dict | None = None) -> JobConfig:
     """The job both sides run: constant lr (no warm-up, no decay), clip at 1.0; ``model``
-    overrides fields of the preset (``{"n_layers": 8}``)."""
+    overrides fields of the preset (``{"n_layers": 8}``; a ``vocab_size`` is the data's
+    too)."""
     return config_from_dict({
         "model": {"preset": preset, **(model or {})},
         "parallel": layout,
@@ -41,7 +42,8 @@ def job(layout: dict, steps: int, global_batch: int = 8, micro_batch: int = 2, s
                   "micro_batch": micro_batch, "seq_len": seq_len, "lr": 1e-3,
                   "warmup_steps": 0, "min_lr_ratio": 1.0, "grad_clip": 1.0,
                   "dtype": dtype, "log_interval": 10**9},
-        "data": {"max_bytes": 1_000_000, "vocab_size": 2048, "cache_dir": corpus_dir},
+        "data": {"max_bytes": 1_000_000, "vocab_size": (model or {}).get("vocab_size", 2048),
+                 "cache_dir": corpus_dir},
         "run": {"dir": run_dir},
     })
 
