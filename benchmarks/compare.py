@@ -18,7 +18,8 @@ largest rank (see ``_common.PeakMemory``), the final loss, and parallel3d / peer
 The zero-bubble rows (``pp*-zb-*``) run m = 2 pp micro-batches (of 2 sequences at pp 2,
 of 1 at pp 4) of the debug model with 8 layers (with its 4, zb-v's 4 chunks at pp 2 have
 one layer each and rank 0, holding the embedding's and the head's, carries 3.4 layers'
-work against rank 1's 2; with 8 the split rule balances the ranks) against torch's
+work against rank 1's 2; with 8 the split rule balances the ranks at pp 2, not at pp 4,
+where each of the 8 chunks still has one layer) against torch's
 ``Schedule1F1B`` (pp stages), ``ScheduleZBVZeroBubble`` (2 pp chunks in zb-v's V) and
 ``ScheduleInterleavedZeroBubble`` (2 pp chunks, interleaved), all cut by our split rule,
 and print below the table each side's peak per stage in its metered run (the last step's
