@@ -12,6 +12,7 @@ weight decay on >= 2-D parameters only, and clipping of the global gradient norm
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import statistics
@@ -30,16 +31,19 @@ CORPUS_DIR = "/tmp/p3d-bench-corpus"
 
 def job(layout: dict, steps: int, global_batch: int = 8, micro_batch: int = 2, seq_len: int = 128,
         corpus_dir: str = CORPUS_DIR, dtype: str = "fp32", preset: str = "debug",
-        run_dir: str = "/tmp/p3d-bench-run") -> JobConfig:
-    """The job both sides run: constant lr (no warm-up, no decay), clip at 1.0."""
+        run_dir: str = "/tmp/p3d-bench-run", model: dict | None = None) -> JobConfig:
+    """The job both sides run: constant lr (no warm-up, no decay), clip at 1.0; ``model``
+    overrides fields of the preset (``{"n_layers": 8}``; a ``vocab_size`` is the data's
+    too)."""
     return config_from_dict({
-        "model": {"preset": preset},
+        "model": {"preset": preset, **(model or {})},
         "parallel": layout,
         "train": {"steps": steps, "seed": 1234, "global_batch": global_batch,
                   "micro_batch": micro_batch, "seq_len": seq_len, "lr": 1e-3,
                   "warmup_steps": 0, "min_lr_ratio": 1.0, "grad_clip": 1.0,
                   "dtype": dtype, "log_interval": 10**9},
-        "data": {"max_bytes": 1_000_000, "vocab_size": 2048, "cache_dir": corpus_dir},
+        "data": {"max_bytes": 1_000_000, "vocab_size": (model or {}).get("vocab_size", 2048),
+                 "cache_dir": corpus_dir},
         "run": {"dir": run_dir},
     })
 
@@ -157,6 +161,22 @@ def _status_kib(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+@contextlib.contextmanager
+def step_peak(run: "Run", mem: PeakMemory | None):
+    """In a metered run (``PeakMemory(tensors=True)``), append to
+    ``run.extra["step_peak"]`` the high-water mark of the enclosed step above the bytes
+    allocated at its start: its activations, gradient and communication buffers, the
+    optimizer's temporaries (what a step adds to the model states at rest)."""
+    meter = getattr(mem, "meter", None)
+    if meter is None:
+        yield
+        return
+    base = meter.live
+    meter.peak = base
+    yield
+    run.extra.setdefault("step_peak", []).append(meter.peak - base)
 
 
 @dataclass

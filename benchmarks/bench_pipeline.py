@@ -1,52 +1,95 @@
-"""Measured pipeline bubble against theory, for gpipe, 1f1b and interleaved.
+"""Measured pipeline bubble against the simulator and theory, for every schedule.
 
     python benchmarks/bench_pipeline.py [--pp 4] [--micro-batches 8] [--t-fwd 0.1] [--steps 3]
+                                        [--rounds 2]
 
 A balanced synthetic workload (``parallel3d.pipeline.synthetic``): every stage's forward
-sleeps ``t_fwd`` and its backward ``2 t_fwd``; with ``v`` virtual stages each chunk sleeps
-``1/v`` of that, so every layout does the same work per stage. It runs the real runtime
-(``PipelineSchedule``) and point-to-point path on ``pp`` gloo processes, and reports the
-bubble the timeline measures (idle share of each stage's step window, mean over stages,
-median over steps after one warm-up step) next to
+sleeps ``t_fwd`` and its backward ``2 t_fwd``; with ``v`` chunks per stage each chunk sleeps
+``1/v`` of that, so every layout does the same work per stage. Zero-bubble schedules split
+that backward into B (input gradient) and W (weight gradient), ``t_fwd`` each. It runs the
+real runtime (``PipelineSchedule``) and point-to-point path on ``pp`` gloo processes, the
+schedules' steps alternating (one step of each in turn, the order rotated every round, so
+a change of the machine's load falls on all alike), and reports per schedule:
 
-    theory = (p - 1) / (m + p - 1)      gpipe, 1f1b
-             (p - 1) / (v m + p - 1)    interleaved (each chunk does 1/v of the work)
+* the bubble the timeline measures (idle share of each stage's step window, mean over
+  stages, median over steps after one warm-up step), with the forward / B / W shares;
+* the simulator's bubble for the same plan and costs (``pipeline/simulate.py``);
+* theory: ``(p-1)/(m+p-1)`` (gpipe, 1f1b), ``(p-1)/(v m+p-1)`` (interleaved),
+  ``(p-1)/(3m+p-1)`` (zb-h1), ``(p-1)/(6m+p-1)`` (zb-v, m >= 2p-1);
+* the planner's prediction from the costs *measured* in the same steps (median F, B, W
+  span per stage: ``planner.timing.bubble_fraction``), against the measured bubble.
 
 Sleeping instead of computing keeps the stage costs fixed when more processes than cores
-share the machine; what remains on top of theory is the real overhead of the runtime and
-of gloo's sends and receives.
+share the machine; what remains on top of the simulator is the real overhead of the
+runtime and of gloo's sends and receives (a process woken late after a receive).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import time
 
 import torch
 
+from parallel3d.pipeline.partition import rank_chunks
 from parallel3d.pipeline.runtime import PipelineSchedule
-from parallel3d.pipeline.simulate import theoretical_bubble
+from parallel3d.pipeline.schedules import SPLIT_BACKWARD
+from parallel3d.pipeline.simulate import simulate, theoretical_bubble
 from parallel3d.pipeline.synthetic import FixedCostChunk, mean_loss
+from parallel3d.planner.timing import bubble_fraction
 from parallel3d.testing import ProcessGroupPool
 from parallel3d.topology import Topology
 
 SHAPE = (1, 8, 16)  # (micro_batch, seq_len, dim) of the synthetic activations
+SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2))
 
 
-def measure(pp: int, name: str, v: int, m: int, t_fwd: float, steps: int) -> dict:
-    """On every rank: run ``steps + 1`` steps, return per-step bubbles and peak alive."""
+def costs(name: str, v: int, t_fwd: float) -> tuple[float, float, float]:
+    """(F, B, W) seconds of one chunk: a stage's backward is 2 t_fwd, split B = W = t_fwd
+    when the schedule splits it."""
+    if name in SPLIT_BACKWARD:
+        return t_fwd / v, t_fwd / v, t_fwd / v
+    return t_fwd / v, 2 * t_fwd / v, 0.0
+
+
+def build(topo: Topology, name: str, v: int, t_fwd: float) -> PipelineSchedule:
+    f, b, w = costs(name, v, t_fwd)
+    chunks = [FixedCostChunk(f, b, SHAPE[-1], first=c == 0, t_w=w)
+              for c in rank_chunks(topo.pp_rank, topo.pp, v, name)]
+    return PipelineSchedule(chunks, mean_loss, topo, name=name, virtual_stages=v,
+                            activation_shape=SHAPE, activation_dtype=torch.float32,
+                            device=torch.device("cpu"))
+
+
+def measure(pp: int, schedules, m: int, t_fwd: float, steps: int) -> dict:
+    """On every rank: one warm-up step and ``steps`` steps of each schedule, alternating;
+    per schedule the per-step bubbles and shares and this rank's median F, B, W spans."""
     topo = Topology(1, pp, 1)
-    chunks = [FixedCostChunk(t_fwd / v, 2 * t_fwd / v, SHAPE[-1], first=(topo.pp_rank == 0 and j == 0))
-              for j in range(v)]
-    schedule = PipelineSchedule(chunks, mean_loss, topo, name=name, virtual_stages=v,
-                                activation_shape=SHAPE, activation_dtype=torch.float32,
-                                device=torch.device("cpu"))
+    built = {name: build(topo, name, v, t_fwd) for name, v in schedules}
     tokens = torch.zeros(SHAPE[:2], dtype=torch.long)
-    bubbles = []
-    for _ in range(steps + 1):
-        schedule.run([(tokens, tokens)] * m)
-        bubbles.append(schedule.timeline.last_bubble)
-    return {"bubbles": bubbles[1:], "peak_alive": schedule.peak_alive}
+    out = {name: {"metrics": [], "spans": {"F": [], "B": [], "W": []}} for name in built}
+    for step in range(steps + 1):
+        order = list(built)[step % len(built):] + list(built)[:step % len(built)]
+        for name in order:
+            sched = built[name]
+            sched.timeline.record_steps = 10**9
+            sched.run([(tokens, tokens)] * m)
+            metrics = sched.step_metrics()
+            if step == 0:
+                continue
+            out[name]["metrics"].append(metrics)
+            for span_name, _, _, t0, t1, _ in sched.timeline.export()[-1]["spans"]:
+                if span_name[:1] in "FBW" and span_name[1:2].isdigit():
+                    out[name]["spans"][span_name[0]].append(t1 - t0)
+    for name in out:
+        out[name]["peak_alive"] = built[name].peak_alive
+        # a stage's F, B, W per micro-batch: the median chunk span times the chunks per rank
+        v = dict(schedules)[name]
+        out[name]["stage_costs"] = tuple(v * statistics.median(s) if s else 0.0
+                                         for s in out[name]["spans"].values())
+    return out
 
 
 def main() -> None:
@@ -55,27 +98,44 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--t-fwd", type=float, default=0.1, help="forward seconds per stage")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--schedules", default=",".join(n for n, _ in SCHEDULES))
     args = parser.parse_args()
     p, m = args.pp, args.micro_batches
+    wanted = [(n, v) for n, v in SCHEDULES if n in args.schedules.split(",")]
     pool = ProcessGroupPool(p)
-    rows = {}
     try:
-        for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2)):
-            ranks = pool.run(measure, p, name, v, m, args.t_fwd, args.steps)
-            per_step = [statistics.mean(r["bubbles"][s] for r in ranks) for s in range(args.steps)]
-            rows[name] = (v, statistics.median(per_step), theoretical_bubble(name, p, v, m),
-                          ranks[0]["peak_alive"])
+        ranks = pool.run(measure, p, wanted, m, args.t_fwd, args.steps)
     finally:
         pool.close()
-    print(f"pp={p} m={m} forward {args.t_fwd * 1e3:.0f} ms + backward {2 * args.t_fwd * 1e3:.0f} ms "
-          f"per stage, {args.steps} steps (median), gloo on CPU")
-    print(f"{'schedule':<12} {'v':>2} {'measured':>9} {'theory':>8} {'meas/theory':>12} "
-          f"{'alive on stage 0':>17}")
-    for name, (v, measured, theory, alive) in rows.items():
-        print(f"{name:<12} {v:>2} {measured:>9.4f} {theory:>8.4f} {measured / theory:>12.3f} {alive:>17}")
-    ratio = rows["1f1b"][1] / rows["interleaved"][1]
-    print(f"1f1b / interleaved bubble: measured {ratio:.2f}x, theory "
-          f"{rows['1f1b'][2] / rows['interleaved'][2]:.2f}x")
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+          f"{os.getloadavg()[0]:.1f}; pp={p} m={m} forward {args.t_fwd * 1e3:.0f} ms + backward "
+          f"{2 * args.t_fwd * 1e3:.0f} ms per stage (split: B {args.t_fwd * 1e3:.0f} + W "
+          f"{args.t_fwd * 1e3:.0f} ms), {args.steps} steps alternating (median), gloo on CPU")
+    print(f"{'schedule':<12} {'v':>2} {'measured':>9} {'sim':>7} {'meas/sim':>9} {'theory':>7} "
+          f"{'planner*':>9} {'meas/plan':>10} {'F':>5} {'B':>5} {'W':>5} {'alive r0':>9}")
+    rows = {}
+    for name, v in wanted:
+        per_step = [statistics.mean(r[name]["metrics"][s]["bubble_fraction"] for r in ranks)
+                    for s in range(args.steps)]
+        measured = statistics.median(per_step)
+        shares = {k: statistics.median(statistics.mean(r[name]["metrics"][s][f"{k}_fraction"] for r in ranks)
+                                       for s in range(args.steps)) for k in ("forward", "backward", "weight")}
+        sim = simulate(name, p, v, m, *costs(name, v, args.t_fwd)).mean_bubble()
+        try:
+            theory = f"{theoretical_bubble(name, p, v, m):7.4f}"
+        except ValueError:
+            theory = f"{'-':>7}"
+        # planner from the measured costs of the slowest stage (largest F + B + W)
+        f, b, w = max((r[name]["stage_costs"] for r in ranks), key=sum)
+        planned = bubble_fraction(name, p, v, m, f, b, w)
+        rows[name] = measured
+        print(f"{name:<12} {v:>2} {measured:>9.4f} {sim:>7.4f} {measured / sim:>9.3f} {theory} "
+              f"{planned:>9.4f} {measured / planned:>10.3f} {shares['forward']:>5.2f} "
+              f"{shares['backward']:>5.2f} {shares['weight']:>5.2f} {ranks[0][name]['peak_alive']:>9}")
+    print("planner*: planner.timing.bubble_fraction from the F, B, W spans measured in the same steps")
+    for zb in ("zb-h1", "zb-v"):
+        if zb in rows and "1f1b" in rows:
+            print(f"{zb} / 1f1b bubble: measured {rows[zb] / rows['1f1b']:.2f}")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,8 @@ LAYOUTS = [
     ("pp2 gpipe", 2, {"pp": 2, "schedule": "gpipe"}, {"micro_batch": 2, "global_batch": 8}),
     ("pp2 interleaved v2", 2, {"pp": 2, "schedule": "interleaved", "virtual_stages": 2},
      {"micro_batch": 2, "global_batch": 8}),
+    ("pp2 zb-h1", 2, {"pp": 2, "schedule": "zb-h1"}, {"micro_batch": 2, "global_batch": 8}),
+    ("pp2 zb-v", 2, {"pp": 2, "schedule": "zb-v", "virtual_stages": 2}, {"micro_batch": 2, "global_batch": 8}),
     ("tp2 pp2 dp2 zero1", 8, {"tp": 2, "pp": 2, "dp": 2, "zero": 1}, {"micro_batch": 2, "global_batch": 8}),
 ]
 

@@ -1,6 +1,7 @@
 """parallel3d against DeepSpeed and torch, end to end, one table.
 
-    python benchmarks/compare.py [--rows dp-zero1,dp-zero2,pp2,pp4,tp2,pp2-dp2-zero1,pp2-dp4-zero1,3d]
+    python benchmarks/compare.py [--rows dp-zero1,dp-zero2,pp2,pp4,tp2,pp2-dp2-zero1,pp2-dp4-zero1,3d,
+                                         pp2-zb-h1,pp2-zb-v,pp4-zb-h1,pp4-zb-v]
                                  [--steps 6] [--rounds 2] [--warmup 2] [--out table.md]
 
 Every row trains the same Llama (the ``debug`` preset: 4 layers, dim 128, vocab 2048,
@@ -13,6 +14,17 @@ so that load from other processes on the machine hits every side alike. Reported
 side: the median step time (a step lasts as long as its slowest rank; the first
 ``--warmup`` steps of each run are left out), tokens/s from it, the peak memory of the
 largest rank (see ``_common.PeakMemory``), the final loss, and parallel3d / peer.
+
+The zero-bubble rows (``pp*-zb-*``) run m = 2 pp micro-batches (of 2 sequences at pp 2,
+of 1 at pp 4) of the debug model with 8 layers (with its 4, zb-v's 4 chunks at pp 2 have
+one layer each and rank 0, holding the embedding's and the head's, carries 3.4 layers'
+work against rank 1's 2; with 8 the split rule balances the ranks at pp 2, not at pp 4,
+where each of the 8 chunks still has one layer) against torch's
+``Schedule1F1B`` (pp stages), ``ScheduleZBVZeroBubble`` (2 pp chunks in zb-v's V) and
+``ScheduleInterleavedZeroBubble`` (2 pp chunks, interleaved), all cut by our split rule,
+and print below the table each side's peak per stage in its metered run (the last step's
+high-water mark above what was allocated at its start: activations, gradient and
+communication buffers, temporaries).
 
 On CPU the ranks are gloo processes with one thread each; on GPUs (one per rank) the
 same script uses NCCL. Peers that cannot run a row say why in the table.
@@ -67,6 +79,16 @@ ROWS = {
                            {"ds_pp": 2, "ds_zero": 1}, None)],
                          "pp=2 x dp=4, ZeRO-1, micro-batches of 1: DeepSpeed's 8-rank layout, run by both",
                          {"micro_batch": 1}),
+    **{f"pp{pp}-{zb}": Row(pp, {"pp": pp, "schedule": zb, "virtual_stages": 2 if zb == "zb-v" else 1},
+                           [(f"torch {cls}", peers.run_torch_pipelining,
+                             {"schedule": cls, "stage_layout": {"pp": pp, **cut}}, None)
+                            for cls, cut in (("Schedule1F1B", {"schedule": "1f1b"}),
+                                             ("ScheduleZBVZeroBubble", {"schedule": "zb-v", "virtual_stages": 2}),
+                                             ("ScheduleInterleavedZeroBubble",
+                                              {"schedule": "interleaved", "virtual_stages": 2}))],
+                           f"pp={pp}, {zb}, {2 * pp} micro-batches",
+                           {"micro_batch": 2 if pp == 2 else 1, "model": {"n_layers": 8}})
+       for pp in (2, 4) for zb in ("zb-h1", "zb-v")},
     "3d": Row(8, {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
               [("torch 3D: DTensor TP x Schedule1F1B x dp all-reduce", peers.run_torch_3d, {}, None)],
               "tp=2 x pp=2 x dp=2, ZeRO-1, 1F1B (DeepSpeed has no tensor parallelism)"),
@@ -124,6 +146,11 @@ def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _com
                                            **kw, **job_kw)
     ours = _common.summarize("parallel3d", ours_runs, args.warmup, tokens, mem.get("parallel3d"))
     ours.error = breakdown(ours_runs, args.warmup, row.layout.get("pp", 1) > 1)
+    stage_peaks = {side: [r.extra["step_peak"][-1] / 2**20 for r in runs]
+                   for side, runs in mem.items() if runs and "step_peak" in runs[0].extra}
+    if row.layout.get("pp", 1) > 1 and len(stage_peaks) > 1:
+        ours.error += "; peak per stage above rest, MiB: " + ", ".join(
+            f"{side} [{' '.join(f'{x:.1f}' for x in peaks)}]" for side, peaks in stage_peaks.items())
     tails = {"parallel3d": first_stage_tail(ours_runs, args.warmup)}
     tails.update({p: first_stage_tail(runs, args.warmup) for p, runs in peer_runs.items() if p not in errors})
     tails = {k: v for k, v in tails.items() if v is not None}

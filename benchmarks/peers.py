@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from _common import (GlobalBatches, PeakMemory, Run, adamw, clip_global_norm, initial_model, job,
-                     rank_micro_batches, timed)
+                     rank_micro_batches, step_peak, timed)
 from parallel3d.models.llama.parallelize import cross_entropy_loss
 
 DEVICE = torch.device("cpu")
@@ -29,11 +29,13 @@ def _device() -> torch.device:
     return DEVICE
 
 
-def _time_steps(run: Run, step, steps: int, device: torch.device) -> None:
+def _time_steps(run: Run, step, steps: int, device: torch.device, mem=None) -> None:
     """Run ``step(s)`` (a whole optimizer step returning the step's loss) for every step,
-    recording its time and loss in ``run``."""
+    recording its time and loss in ``run`` (and, metered, each step's peak above what was
+    allocated at its start: ``run.extra["step_peak"]``)."""
     for s in range(steps):
-        dt, loss = timed(lambda: step(s), device)
+        with step_peak(run, mem):
+            dt, loss = timed(lambda: step(s), device)
         run.times.append(dt)
         run.losses.append(float(loss))
 
@@ -86,7 +88,8 @@ def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Ru
                           device, log=False)
         records = []
         for _ in range(steps):
-            dt, record = timed(trainer.train_step, device)
+            with step_peak(run, mem):
+                dt, record = timed(trainer.train_step, device)
             records.append(record)
             run.times.append(dt)
             run.losses.append(record["loss"])
@@ -226,50 +229,59 @@ def run_deepspeed_pipe(layout: dict, steps: int, ds_pp: int, ds_zero: int = 0,
 
 # -- torch -----------------------------------------------------------------------------------
 
-def run_torch_pipelining(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Run:
-    """``torch.distributed.pipelining``'s Schedule1F1B over the stages our planner cuts
-    (same layers per stage), AdamW on each stage, clipping by the norm over all stages."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+def run_torch_pipelining(layout: dict, steps: int, schedule: str = "Schedule1F1B",
+                         stage_layout: dict | None = None, memory_run: bool = False, **job_kw) -> Run:
+    """A ``torch.distributed.pipelining`` schedule (``schedule``: Schedule1F1B,
+    ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, ...) over the chunks our planner
+    cuts for ``stage_layout`` (default ``layout``: the same layers per stage; zb-v's V
+    placement for ScheduleZBVZeroBubble, the interleaved loop for the interleaved ones),
+    AdamW on each rank's chunks, clipping by the norm over all stages."""
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     from parallel3d.models.llama.parallelize import cut_pipeline_stages
+    from parallel3d.pipeline.partition import rank_chunks
     from parallel3d.topology import Topology
 
     cfg = job(layout, steps, **job_kw)
+    cut = job(stage_layout or layout, steps, **job_kw).parallel
     pp, rank = dist.get_world_size(), dist.get_rank()
     n_micro = cfg.train.global_batch // cfg.train.micro_batch
     data = GlobalBatches(cfg)
     device = _device()
     run = Run()
     with PeakMemory(device, tensors=memory_run) as mem:
-        (chunk,) = cut_pipeline_stages(initial_model(cfg), Topology(1, pp, 1), cfg.parallel)
-        chunk.to(device)
-        stage = PipelineStage(chunk, rank, pp, device)
-        schedule = Schedule1F1B(stage, n_micro, loss_fn=cross_entropy_loss)  # grads scaled by 1/n_micro
-        params = [p for p in chunk.parameters()]
+        chunks = cut_pipeline_stages(initial_model(cfg), Topology(1, pp, 1), cut)
+        ids = rank_chunks(rank, pp, cut.virtual_stages, cut.schedule)
+        n_stages = pp * cut.virtual_stages
+        stages = [PipelineStage(chunk.to(device), c, n_stages, device) for c, chunk in zip(ids, chunks)]
+        cls = getattr(pipelining, schedule)
+        # grads scaled by 1/n_micro
+        sched = cls(stages if len(stages) > 1 else stages[0], n_micro, loss_fn=cross_entropy_loss)
+        params = [p for chunk in chunks for p in chunk.parameters()]
         opt = adamw(params, cfg)
+        first, last = 0 in ids, n_stages - 1 in ids
 
         def step(s: int) -> torch.Tensor:
             x, y = data(s)
             for p in params:
                 p.grad = None
             losses: list[torch.Tensor] = []
-            if rank == 0:
-                schedule.step(x.to(device))
-            elif rank == pp - 1:
-                schedule.step(target=y.to(device), losses=losses)
-            else:
-                schedule.step()
+            args = (x.to(device),) if first else ()
+            kwargs = {"target": y.to(device), "losses": losses} if last else {}
+            sched.step(*args, **kwargs)
             # The tail is timed from schedule.step's return, which leaves out its own work
             # after the last backward (scaling the gradients by 1/n_micro): in torch's favour.
             pipeline_done = time.perf_counter()
             clip_global_norm(params, cfg.train.grad_clip, group=dist.group.WORLD)
             opt.step()
             loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
-            dist.broadcast(loss, src=pp - 1)  # the loss lives on the last stage
+            owner = next(r for r in range(pp) if n_stages - 1 in rank_chunks(r, pp, cut.virtual_stages, cut.schedule))
+            dist.broadcast(loss, src=owner)  # the loss lives on the last chunk's rank
             run.extra.setdefault("tail", []).append(time.perf_counter() - pipeline_done)
             return loss
 
-        _time_steps(run, step, steps, device)
+        _time_steps(run, step, steps, device, mem)
     run.peak = mem.peak
     return run
 

@@ -22,7 +22,9 @@ accumulator (no rounding of dW); torch rounds dW to the input dtype once and add
 Megatron does without its fused kernel.
 
 :func:`linear` is the differentiable layer on top (any leading dims), each of its three
-GEMMs dispatched on its own.
+GEMMs dispatched on its own. Its backward honours :mod:`.deferred`: inside a backward run
+under ``deferring(work)`` it computes dX only and records the wgrad (and bias gradient)
+for ``work.run()`` (the W of a zero-bubble pipeline schedule).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import linear as _triton_linear  # registers the torch.ops.parallel3d.linear_* ops
+from .deferred import defer
 from ._matmul_common import KERNEL_KINDS, prefers_triton, record_backend_choice
 
 __all__ = ["linear", "forward_gemm", "dgrad_gemm", "wgrad_gemm", "measure_linear_backends", "BACKENDS"]
@@ -122,6 +125,10 @@ class _LinearFunction(torch.autograd.Function):
         # main_grad is not saved for backward: every micro-batch's backward updates it in
         # place, which would trip autograd's version check of a saved tensor.
         ctx.main_grad, ctx.backend = main_grad, backend
+        # A deferred W hands its gradients to these very inputs: under activation
+        # recomputation the saved tensors come back as recomputed copies, which autograd
+        # does not lead to the parameters' accumulators.
+        ctx.inputs = (weight, bias)
         return forward_gemm(x2d, weight, bias, backend)
 
     @staticmethod
@@ -130,11 +137,18 @@ class _LinearFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, weight.shape[0])  # (M, N)
         want_dx, want_dw, want_db = ctx.needs_input_grad[:3]
         dx = dgrad_gemm(dy, weight, ctx.backend) if want_dx else None
-        dw = db = None
-        if want_dw or want_db:  # a frozen weight with a trainable bias still runs the GEMM
-            main_grad = ctx.main_grad if want_dw else None
-            dw, db = wgrad_gemm(dy, x2d, ctx.backend, bias_grad=want_db, main_grad=main_grad)
-            dw = dw if want_dw else None
+        if not (want_dw or want_db):
+            return dx, None, None, None, None
+        # a frozen weight with a trainable bias still runs the GEMM
+        main_grad, backend, (weight_in, bias_in) = (ctx.main_grad if want_dw else None), ctx.backend, ctx.inputs
+
+        def weight_grads() -> list:
+            dw, db = wgrad_gemm(dy, x2d, backend, bias_grad=want_db, main_grad=main_grad)
+            return [(weight_in, dw if want_dw else None), (bias_in, db)]
+
+        if defer(weight_grads):  # a zero-bubble schedule's B: the W runs later
+            return dx, None, None, None, None
+        (_, dw), (_, db) = weight_grads()
         return dx, dw, db, None, None
 
 

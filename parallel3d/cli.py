@@ -87,7 +87,7 @@ def _banner(cfg, model, world: int, backend: str) -> list[str]:
     from parallel3d.train.metrics import resolved_config
 
     par = cfg.parallel
-    split = layer_split(model, par.pp, par.virtual_stages, par.pp_layers)
+    split = layer_split(model, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
     data = f"prepared dataset {cfg.data.path}" if cfg.data.path else describe(cfg.data)
     return banner(cfg, model, world, split, backend, resolved_config(cfg).train.dtype, data)
 

@@ -63,8 +63,10 @@ class ParallelConfig:
     # GEMM of the tensor-parallel layers: torch, triton, or auto (torch on CPU; on CUDA Triton
     # only for the GEMM shapes rank 0 measured at least as fast as cuBLAS).
     linear_backend: str = "auto"
-    schedule: str = "1f1b"  # pipeline schedule: gpipe, 1f1b or interleaved
-    virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2)
+    # pipeline schedule: gpipe, 1f1b, interleaved, or the zero-bubble zb-h1 and zb-v
+    # (backward split into input and weight gradients, the latter filling the bubble)
+    schedule: str = "1f1b"
+    virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2, zb-v 2)
     pp_layers: list[int] | None = None  # layers per chunk, by hand; default: the balanced rule
     # ZeRO: 0 replicates optimizer state; 1 shards it (fp32 master weights and Adam
     # moments) over the dp ranks; 2 also shards the gradients.

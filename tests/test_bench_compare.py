@@ -79,6 +79,31 @@ def test_compare_runs_a_row_end_to_end(tmp_path):
     assert float(cells[-1]) < 1e-5, row
 
 
+def _peer_losses(fn_name: str, layout: dict, steps: int, kw: dict) -> list[float]:
+    import peers
+
+    return getattr(peers, fn_name)(layout, steps, **kw).losses
+
+
+def test_torch_zero_bubble_peers_train_our_chunks_to_our_losses(pools, corpus_dir):
+    """The zero-bubble rows' peers run: torch's ScheduleZBVZeroBubble on the chunks our
+    split rule cuts for zb-v's V (and ScheduleInterleavedZeroBubble on the interleaved
+    ones) give parallel3d's zb-v losses, from the same weights and batches (fp32:
+    reduction-order noise), and every rank reports the same loss."""
+    kw = {"global_batch": 8, "micro_batch": 2, "seq_len": 32, "corpus_dir": corpus_dir,
+          "model": {"n_layers": 4, "vocab_size": 512}}
+    zbv = {"pp": 2, "schedule": "zb-v", "virtual_stages": 2}
+    ours = pools(2).run(_peer_losses, "run_ours", zbv, 3, kw)
+    theirs = pools(2).run(_peer_losses, "run_torch_pipelining", zbv, 3,
+                          {**kw, "schedule": "ScheduleZBVZeroBubble"})
+    interleaved = pools(2).run(_peer_losses, "run_torch_pipelining", zbv, 3,
+                               {**kw, "schedule": "ScheduleInterleavedZeroBubble",
+                                "stage_layout": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}})
+    for run in (theirs, interleaved):
+        assert run[0] == run[1]
+        assert _common.loss_diff(_common.Side("a", 0, 0, 0, 0, run[0]), _common.Side("b", 0, 0, 0, 0, ours[0])) < 1e-5
+
+
 def test_timeline_step_breakdown_sums_spans_per_category():
     import time
 

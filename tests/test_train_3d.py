@@ -2,7 +2,8 @@
 
 Losses per step, gradient norms, and every final weight (each rank's tensor-parallel shard
 compared with the same slice of the single-process weight) for 10 steps, with clipping
-biting, across schedules, sequence parallelism, ZeRO stages and recomputation.
+biting, across schedules (the zero-bubble ones included), sequence parallelism, ZeRO
+stages and recomputation.
 """
 
 from __future__ import annotations
@@ -81,7 +82,12 @@ def reference(corpus_dir, tmp_path_factory):
     {"schedule": "interleaved", "virtual_stages": 2, "sequence_parallel": True, "zero": 1},
     {"schedule": "1f1b", "sequence_parallel": True, "zero": 2},
     {"schedule": "gpipe", "zero": 2, "recompute": "selective"},
-], ids=["1f1b-zero0", "interleaved-sp-zero1", "1f1b-sp-zero2", "gpipe-zero2-selective"])
+    # zero-bubble: the backward split into B and W (sequence parallelism's W gathers X
+    # again; recomputation rebuilds each layer in B), W feeding ZeRO's buckets
+    {"schedule": "zb-v", "virtual_stages": 2, "sequence_parallel": True, "zero": 1, "recompute": "full"},
+    {"schedule": "zb-h1", "sequence_parallel": True, "zero": 2, "recompute": "selective"},
+], ids=["1f1b-zero0", "interleaved-sp-zero1", "1f1b-sp-zero2", "gpipe-zero2-selective",
+        "zbv-sp-zero1-full", "zbh1-sp-zero2-selective"])
 def test_2x2x2_equals_1x1x1(pools, corpus_dir, tmp_path, reference, parallel):
     job = _job(corpus_dir, str(tmp_path), tp=2, pp=2, dp=2, **parallel)
     ranks = pools(8).run(_train, job)

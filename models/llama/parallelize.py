@@ -43,9 +43,12 @@ from parallel3d.kernels import gemm  # noqa: F401 - registers torch.ops.parallel
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                         VocabParallelEmbedding, mark_replicated, padded_size,
                                         share_input, vocab_parallel_cross_entropy)
+from parallel3d.kernels.deferred import defer
 from parallel3d.pipeline.partition import layer_ranges, rank_chunks, resolve_split
+from parallel3d.pipeline.schedules import SPLIT_BACKWARD
+from parallel3d.tensor_parallel.split_backward import split_weight_grads
 
-from .model import Llama, LlamaConfig
+from .model import Llama, LlamaConfig, RMSNorm, _RMSNormFn
 
 
 IGNORE_INDEX = -100  # a target that is not trained on (torch's F.cross_entropy default)
@@ -165,13 +168,17 @@ def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, call
     """Return (this rank's model, its loss function).
 
     Pipeline parallelism first cuts this rank's chunks (:func:`cut_pipeline_stages`), then
-    tensor parallelism splits each chunk (:func:`apply_tensor_parallel`). With ``pp > 1``
+    tensor parallelism splits each chunk (:func:`apply_tensor_parallel`); a zero-bubble
+    schedule has every weight's backward split into B and W
+    (:func:`split_llama_weight_grads`). With ``pp > 1``
     the model is a :class:`PipelineStage`: this rank's chunks under the unsplit parameter
     names, run by the pipeline schedule through ``.pipeline_chunks``.
     """
     chunks = cut_pipeline_stages(model, topo, parallel_cfg) if topo.pp > 1 else [model]
     for chunk in chunks:
         apply_tensor_parallel(chunk, topo, parallel_cfg.sequence_parallel, parallel_cfg.linear_backend)
+        if parallel_cfg.schedule in SPLIT_BACKWARD:
+            split_llama_weight_grads(chunk)
     if topo.pp > 1:
         mark_tied_embeddings(chunks)
         model = PipelineStage(chunks)
@@ -211,24 +218,79 @@ def cut_pipeline_stages(model: Llama, topo, parallel_cfg) -> list[Llama]:
     left out of the gradient norm (``p3d_norm_owner = False``)."""
     cfg = model.cfg
     v = parallel_cfg.virtual_stages
-    counts = resolve_split(cfg.n_layers, topo.pp, v, parallel_cfg.pp_layers, *stage_costs(cfg))
+    counts = resolve_split(cfg.n_layers, topo.pp, v, parallel_cfg.pp_layers, *stage_costs(cfg),
+                           schedule=parallel_cfg.schedule)
     ranges = layer_ranges(counts)
     last = len(counts) - 1
     return [_chunk(model, ranges[c], first=c == 0, last=c == last)
-            for c in rank_chunks(topo.pp_rank, topo.pp, v)]
+            for c in rank_chunks(topo.pp_rank, topo.pp, v, parallel_cfg.schedule)]
 
 
 def mark_tied_embeddings(chunks: list[Llama]) -> None:
-    """Under pp > 1 with tied embeddings, mark the first stage's embedding and the last
-    stage's head (after tensor parallelism made them their final parameters): the
-    schedule sums their gradient over ``topo.embed_group`` and the norm counts it once."""
-    if chunks[0].cfg.tie_embeddings:
-        for chunk in chunks:
-            if chunk.embed_tokens is not None:
-                chunk.embed_tokens.weight.p3d_tied_embedding = True
-            if chunk.lm_head is not None:
-                chunk.lm_head.weight.p3d_tied_embedding = True
-                chunk.lm_head.weight.p3d_norm_owner = False  # counted on the first stage
+    """Under pp > 1 with tied embeddings, once tensor parallelism made them their final
+    parameters: when the embedding and the head are on different ranks, mark both (the
+    optimizer sums their gradients over ``topo.embed_group`` and the norm counts the head's
+    copy out). When this rank holds both in different chunks (zb-v's V puts the first and
+    the last chunk on rank 0), the head takes the embedding's parameter itself, which then
+    gets one gradient per chunk and micro-batch (``p3d_grads_per_micro_batch``: ZeRO's
+    bucket counting waits for both)."""
+    if not chunks[0].cfg.tie_embeddings:
+        return
+    embeds = [c.embed_tokens for c in chunks if c.embed_tokens is not None]
+    heads = [c.lm_head for c in chunks if c.lm_head is not None]
+    if embeds and heads:
+        heads[0].weight = embeds[0].weight  # the same (Vp/tp, dim) rows at any tp
+        embeds[0].weight.p3d_grads_per_micro_batch = 2
+        return
+    for module in embeds + heads:
+        module.weight.p3d_tied_embedding = True
+    for head in heads:
+        head.weight.p3d_norm_owner = False  # counted on the first stage
+
+
+class _SplitRMSNormFn(_RMSNormFn):
+    """:class:`~.model._RMSNormFn` whose weight gradient a zero-bubble W computes (the
+    same arithmetic: ``dw = sum over rows of dy * n``, ``dx`` as there)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.weight = weight  # the W's target (recomputation hands back copies of saved tensors)
+        return _RMSNormFn.forward(ctx, x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        dw = None
+        if ctx.needs_input_grad[1]:
+            param = ctx.weight
+
+            def weight_grads() -> list:  # keeps x, rstd and dy (not an fp32 copy of x r)
+                n = (x.to(rstd.dtype) * rstd).to(x.dtype)
+                return [(param, (dy * n).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype))]
+
+            if not defer(weight_grads):
+                dw = weight_grads()[0][1]
+        n32 = x.to(rstd.dtype) * rstd
+        g = (dy * weight).to(rstd.dtype)
+        dx = rstd * (g - n32 * (g * n32).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None
+
+
+def _split_rms_norm_forward(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return _SplitRMSNormFn.apply(x, norm.weight, norm.eps)
+
+
+def split_llama_weight_grads(model: Llama) -> Llama:
+    """Every weight of ``model`` (a chunk, after tensor parallelism) gets a backward that
+    honours the B/W split of zero-bubble schedules (``parallel3d.kernels.deferred``): the
+    tensor-parallel layers do already; ``nn.Linear`` and ``nn.Embedding`` (tp = 1) go
+    through ``tensor_parallel.split_backward``, the RMSNorms through
+    :class:`_SplitRMSNormFn`. Parameters and their names are unchanged."""
+    split_weight_grads(model)
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.forward = partial(_split_rms_norm_forward, module)
+    return model
 
 
 def _chunk(model: Llama, layers: range, first: bool, last: bool) -> Llama:

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from parallel3d.observe.progress import duration
+from parallel3d.pipeline.partition import rank_chunks
 
 
 def _count(n: float) -> str:
@@ -27,7 +28,8 @@ def _ranks(lo: int, hi: int) -> str:
     return f"rank {lo}" if lo == hi else f"ranks {lo}-{hi}"
 
 
-def stage_lines(tp: int, pp: int, dp: int, split: list[int], virtual_stages: int) -> list[str]:
+def stage_lines(tp: int, pp: int, dp: int, split: list[int], virtual_stages: int,
+                schedule: str = "1f1b") -> list[str]:
     """One phrase per pipeline stage: its ranks (pp outermost, then dp, tp innermost:
     stage s is ranks [s dp tp, (s+1) dp tp)) and its layers. Long pipelines show their
     first two and last stage."""
@@ -38,7 +40,7 @@ def stage_lines(tp: int, pp: int, dp: int, split: list[int], virtual_stages: int
     chunks_total = pp * virtual_stages
     out = []
     for s in range(pp):
-        chunks = [s + j * pp for j in range(virtual_stages)]
+        chunks = rank_chunks(s, pp, virtual_stages, schedule)
         spans = [starts[c] for c in chunks]
         layers = ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
         noun = "layer" if len(spans) == 1 and spans[0][0] == spans[0][1] else "layers"
@@ -65,7 +67,7 @@ def banner(cfg, model, world: int, split: list[int], backend: str, dtype: str, d
                  f"{'s' if nodes > 1 else ''} x {world // nodes} processes, {backend}, {dtype}")
     grid = f"rank = pp_rank * {par.dp * par.tp} + dp_rank * {par.tp} + tp_rank (tp innermost, pp outermost)"
     lines.append(f"  grid      {grid}")
-    for phrase in stage_lines(par.tp, par.pp, par.dp, split, par.virtual_stages):
+    for phrase in stage_lines(par.tp, par.pp, par.dp, split, par.virtual_stages, par.schedule):
         lines.append(f"            {phrase}")
     n_micro = train.global_batch // (train.micro_batch * par.dp)
     extras = [f"ZeRO-{par.zero}" if par.zero else "no ZeRO"]

@@ -9,7 +9,9 @@ disjoint stretches of the step's wall time and add up to ``step_time_s``:
 ``forward_s``        forward spans: compute, plus the tensor-parallel collectives and the
                      ZeRO parameter all-gather waits issued inside the forward
 ``backward_s``       backward spans: compute, plus the tp collectives (and ZeRO-2's
-                     gradient reduce-scatters when they block) inside the backward
+                     gradient reduce-scatters when they block) inside the backward; with
+                     a zero-bubble schedule both halves, B and the deferred W (the trace
+                     shows them apart)
 ``optimizer_s``      the optimizer step, less the collective waits inside it
 ``comm_exposed_s``   blocked in collectives outside forward/backward: the tied-embedding
                      gradient all-reduce, the data-parallel gradient all-reduce (ZeRO: the
@@ -49,7 +51,7 @@ from parallel3d.planner.hardware import GPU, GPUS
 BREAKDOWN = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "comm_exposed_s", "bubble_s",
              "other_s")
 _CAT_FIELD = {"data": "data_wait_s", "forward": "forward_s", "backward": "backward_s",
-              "comm": "comm_exposed_s", "wait": "bubble_s"}
+              "weight": "backward_s", "comm": "comm_exposed_s", "wait": "bubble_s"}
 
 
 def step_breakdown(spans: list[tuple[str, float, float]], step_time: float) -> dict[str, float]:

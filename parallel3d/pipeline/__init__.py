@@ -1,7 +1,9 @@
 """Pipeline parallelism: cutting layers into stages, schedules, point-to-point, timeline.
 
-* ``partition``: the split rule and ``parallel.pp_layers`` checks (pure).
-* ``schedules``: gpipe, 1f1b and interleaved as per-rank lists of actions (pure).
+* ``partition``: the split rule, ``parallel.pp_layers`` checks, where each chunk lives (pure).
+* ``actions``: actions (F, B, W), messages, the exchange batches of a plan (pure).
+* ``schedules``: gpipe, 1f1b and interleaved as per-rank lists of actions; the registry (pure).
+* ``zero_bubble``: zb-h1 and zb-v, whose backward is split into B and W (pure).
 * ``simulate``: plays a plan on all ranks at once; deadlock, message order, ideal bubble.
 * ``p2p``: batched send/receive between neighbouring stages.
 * ``runtime``: :class:`PipelineSchedule`, what the trainer calls each step.

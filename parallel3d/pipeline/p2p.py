@@ -22,6 +22,13 @@ operations sit in a batch the peer reaches without first needing anything from u
 * interleaved: the steady state runs a forward and a backward between two exchanges (one
   batch carries both outputs and both next inputs). With one exchange per action the
   ring (last stage -> first stage for the next chunk) closes a cycle and deadlocks.
+* zb-v: every message is sent and received in the batch right after the slot of a common
+  clock that produced it (``actions.slot_exchanges``), so every batch ``t`` meets the
+  neighbours' batch ``t``.
+
+A batch is posted before its step and waited for just before the first action that reads
+what it receives (a W, or a forward on the V's turn, runs while the batch is in flight),
+or after the step (``runtime.py``).
 
 Two ranks exchange messages in both directions at once, and with ``pp = 2`` in the
 interleaved ring both activations and gradients travel from rank 0 to rank 1. NCCL and
@@ -52,16 +59,16 @@ class StageComm:
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self._sending: list = []  # (work, tensor) of the previous batch's sends
 
-    def exchange(self, sends: list[tuple[Message, torch.Tensor]],
-                 recvs: list[Message]) -> list[torch.Tensor]:
-        """Post every send and receive of one batch and wait for the receives; return the
-        received tensors in the order of ``recvs``.
+    def post(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> "Posted":
+        """Post every send and receive of one batch; :meth:`Posted.wait` waits for the
+        receives and returns the received tensors in the order of ``recvs``.
 
-        The sends are waited for one batch later (after this batch's receives), so a rank
-        goes on computing while its output travels instead of waiting for the receiver to
-        reach its receive. Waiting later never makes an operation start later than in
-        the wait-for-everything model the simulator checks, so that model's proof of
-        deadlock freedom carries over; at most one batch of sent tensors stays alive."""
+        The sends are waited for one batch later (after the next batch's receives), so a
+        rank goes on computing while its output travels instead of waiting for the
+        receiver to reach its receive. Waiting later never makes an operation start later
+        than in the wait-for-everything model the simulator checks, so that model's
+        proof of deadlock freedom carries over; at most one batch of sent tensors stays
+        alive. Post a batch only after the previous one was waited for."""
         ops, bufs, outgoing = [], [], []
         for msg, tensor in sends:
             # The fixed shape is the contract with the receiver: check it here, where a
@@ -80,14 +87,29 @@ class StageComm:
             receiving, sending = works[len(outgoing):], works[:len(outgoing)]
         else:  # one handle for the coalesced batch (NCCL), whose wait only orders streams
             receiving, sending = works, []
-        for work in receiving:
-            work.wait()
-        self.flush()
-        self._sending = list(zip(sending, outgoing))  # keeps each tensor alive until sent
-        return bufs
+        return Posted(self, receiving, list(zip(sending, outgoing)), bufs)
+
+    def exchange(self, sends: list[tuple[Message, torch.Tensor]],
+                 recvs: list[Message]) -> list[torch.Tensor]:
+        """:meth:`post` and wait at once."""
+        return self.post(sends, recvs).wait()
 
     def flush(self) -> None:
         """Wait for the sends still in flight (the runtime calls it at the end of a step)."""
         for work, _ in self._sending:
             work.wait()
         self._sending = []
+
+
+class Posted:
+    """A batch in flight (:meth:`StageComm.post`)."""
+
+    def __init__(self, comm: StageComm, receiving: list, sending: list, bufs: list[torch.Tensor]):
+        self.comm, self.receiving, self.sending, self.bufs = comm, receiving, sending, bufs
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.receiving:
+            work.wait()
+        self.comm.flush()  # the previous batch's sends
+        self.comm._sending = self.sending  # keeps each tensor alive until sent
+        return self.bufs

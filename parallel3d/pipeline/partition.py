@@ -1,10 +1,16 @@
 """Cutting a model's layers into pipeline chunks.
 
 ``pp`` stages times ``v`` virtual stages give ``n_chunks = pp * v`` chunks, each a
-contiguous run of layers. Chunk ``c`` lives on ``pp_rank = c % pp``: with ``v = 1`` chunk
-``c`` is stage ``c``; with the interleaved schedule rank ``r`` holds chunks
-``r, r + pp, r + 2 pp, ...``. Chunk 0 also holds the embedding; the last chunk (on the last
-stage) holds the final norm, the head and the loss.
+contiguous run of layers. Chunk 0 also holds the embedding; the last chunk holds the
+final norm, the head and the loss. Where the chunks live (:func:`chunk_owners`):
+
+* loop (every schedule but zb-v): chunk ``c`` on ``pp_rank = c % pp``; with ``v = 1``
+  chunk ``c`` is stage ``c``; interleaved, rank ``r`` holds ``r, r + pp, r + 2 pp, ...``
+  and the last chunk is on the last rank;
+* V (``zb-v``, two chunks per rank): chunk ``c`` on rank ``c`` for ``c < pp`` and on rank
+  ``2 pp - 1 - c`` after, so the model goes down the ranks and comes back up: rank ``r``
+  holds ``r`` and ``2 pp - 1 - r``, rank ``pp - 1`` the two middle chunks (their hand-over
+  stays on the rank), rank 0 the embedding and the head.
 
 The split rule (used when ``parallel.pp_layers`` does not set it by hand)
 -------------------------------------------------------------------------
@@ -28,6 +34,12 @@ layers.
 
 Examples (``head_cost = 1.5``): 8 layers on 2 stages -> [5, 3] (costs 5 and 4.5);
 16 layers on 4 stages with ``head_cost = 2.4`` -> [4, 5, 5, 2] (costs 4, 5, 5, 4.4).
+
+Under zb-v's V a rank's two chunks run on one device, and rank 0 holds both the embedding
+and the head: the rule is applied to the ranks (rank 0 carrying both extras, at least two
+layers each), then each rank's layers are shared between its two chunks as evenly as their
+costs allow (fewer on the earlier chunk on a tie). 8 layers, pp 2, ``head_cost = 1.42``:
+ranks [3, 5] (costs 4.42, 5), chunks [2, 2, 3, 1] (rank 0: 2 + (1 + 1.42), rank 1: 2 + 3).
 """
 
 from __future__ import annotations
@@ -38,9 +50,23 @@ from fractions import Fraction
 from parallel3d.errors import UserError
 
 
-def rank_chunks(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The global chunks held by ``pp_rank``, in order: ``pp_rank + j * pp``."""
-    return [pp_rank + j * pp for j in range(virtual_stages)]
+V_SHAPED_SCHEDULES = ("zb-v",)  # schedules whose chunks go down the ranks and back up
+
+
+def chunk_owners(pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """The pipeline rank holding each global chunk (module docstring): ``c % pp``, or the
+    V of ``zb-v`` (``virtual_stages`` 2)."""
+    n = pp * virtual_stages
+    if schedule in V_SHAPED_SCHEDULES:
+        assert virtual_stages == 2, virtual_stages
+        return [c if c < pp else 2 * pp - 1 - c for c in range(n)]
+    return [c % pp for c in range(n)]
+
+
+def rank_chunks(pp_rank: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """The global chunks held by ``pp_rank``, in order: ``pp_rank + j * pp`` (loop), or
+    ``pp_rank, 2 pp - 1 - pp_rank`` (V)."""
+    return [c for c, r in enumerate(chunk_owners(pp, virtual_stages, schedule)) if r == pp_rank]
 
 
 def _caps(bound: Fraction, extras: list[Fraction]) -> list[int]:
@@ -59,30 +85,59 @@ def balanced_split(n_layers: int, n_chunks: int, embed_cost: float = 0.0,
     extras = [Fraction(0)] * n_chunks
     extras[0] += Fraction(embed_cost).limit_denominator(10**6)
     extras[-1] += Fraction(head_cost).limit_denominator(10**6)
-    # The best bound is the cost of some chunk: k layers plus that chunk's extra.
+    return _balanced(n_layers, extras, [1] * n_chunks)
+
+
+def _balanced(n_layers: int, extras: list[Fraction], least: list[int]) -> list[int]:
+    """At least ``least[i]`` layers each: the smallest bound on a part's cost (layers +
+    extra) that fits every layer, then the most even costs under it, then fewer layers on
+    earlier parts."""
+    n = len(extras)
+    # The best bound is the cost of some part: k layers plus that part's extra.
     candidates = sorted({k + e for e in extras for k in range(1, n_layers + 1)})
     for bound in candidates:
         caps = _caps(bound, extras)
-        if min(caps) >= 1 and sum(caps) >= n_layers:
+        if all(c >= lo for c, lo in zip(caps, least)) and sum(caps) >= n_layers:
             break
-    # Most even under the caps: start from one layer each and give each further layer to
-    # the cheapest chunk with room (optimal for a sum of squares, a separable convex
-    # cost); among equally cheap chunks the last, so earlier chunks end with fewer.
-    counts = [1] * n_chunks
-    for _ in range(n_layers - n_chunks):
-        room = [i for i in range(n_chunks) if counts[i] < caps[i]]
+    # Most even under the caps: start from the least each and give each further layer to
+    # the cheapest part with room (optimal for a sum of squares, a separable convex
+    # cost); among equally cheap parts the last, so earlier parts end with fewer.
+    counts = list(least)
+    for _ in range(n_layers - sum(least)):
+        room = [i for i in range(n) if counts[i] < caps[i]]
         cheapest = min(counts[i] + extras[i] for i in room)
         counts[max(i for i in room if counts[i] + extras[i] == cheapest)] += 1
     return counts
 
 
+def v_split(n_layers: int, pp: int, embed_cost: float = 0.0, head_cost: float = 0.0) -> list[int]:
+    """Layers per chunk of zb-v's V (module docstring): the ranks balanced, rank 0 with the
+    embedding and the head; each rank's layers shared between its chunks ``r`` and
+    ``2 pp - 1 - r`` so that their costs are closest (fewer on ``r`` on a tie)."""
+    if n_layers < 2 * pp:
+        raise UserError(f"cannot split {n_layers} layers into {2 * pp} chunks of at least one layer each")
+    embed = Fraction(embed_cost).limit_denominator(10**6)
+    head = Fraction(head_cost).limit_denominator(10**6)
+    per_rank = _balanced(n_layers, [embed + head] + [Fraction(0)] * (pp - 1), [2] * pp)
+    counts = [0] * (2 * pp)
+    for r, layers in enumerate(per_rank):
+        ea, eb = (embed, head) if r == 0 else (Fraction(0), Fraction(0))
+        # chunk r gets a layers, chunk 2pp-1-r the rest: least |cost difference|, then fewer on r
+        a = min(range(1, layers), key=lambda k: (abs((k + ea) - (layers - k + eb)), k))
+        counts[r], counts[2 * pp - 1 - r] = a, layers - a
+    return counts
+
+
 def resolve_split(n_layers: int, pp: int, virtual_stages: int, pp_layers: list[int] | None,
-                  embed_cost: float = 0.0, head_cost: float = 0.0) -> list[int]:
-    """Layers per global chunk: ``parallel.pp_layers`` if given (checked), else the rule."""
+                  embed_cost: float = 0.0, head_cost: float = 0.0, schedule: str = "1f1b") -> list[int]:
+    """Layers per global chunk: ``parallel.pp_layers`` if given (checked), else the rule
+    (balancing zb-v's ranks rather than its chunks)."""
     n_chunks = pp * virtual_stages
     check_split(n_layers, pp, virtual_stages, pp_layers)
     if pp_layers is not None:
         return list(pp_layers)
+    if schedule in V_SHAPED_SCHEDULES:
+        return v_split(n_layers, pp, embed_cost, head_cost)
     return balanced_split(n_layers, n_chunks, embed_cost, head_cost)
 
 

@@ -3,10 +3,19 @@
     schedule = build_schedule(model, loss_fn, topo, parallel_cfg, activation_shape, ...)
     loss = schedule.run(micro_batches)      # forwards and backwards of one optimizer step
 
-``run`` walks the rank's plan (``schedules.plan``): before each step it exchanges, in one
-batch, the outputs of the previous step and the inputs of this one (``p2p.StageComm``);
-then it runs the step's forwards and backwards. Gradients accumulate in ``.grad`` across
-micro-batches. Only the last stage computes the loss; each micro-batch's loss is divided
+``run`` walks the rank's plan (``schedules.plan``): before each step it posts, in one batch,
+the sends and receives ``schedules.batches`` gives it (``p2p.StageComm``), then runs the
+step's actions, waiting for the batch just before the first action that reads a tensor
+it receives (or after the step). Gradients accumulate in ``.grad`` across micro-batches.
+A tensor between two chunks of this rank (the turn of zb-v's V) is handed over directly.
+
+Schedules that split the backward (zb-h1, zb-v) run each B under
+``kernels.deferred.deferring``: autograd computes the input gradients and the layers
+record their weight gradients, which the plan's W of that (chunk, micro-batch) computes
+later. They accumulate through autograd as an undivided backward's would (ZeRO's hooks
+count them, so a bucket is reduced once the step's last W has filled it). A layer that
+does not record its weight gradient (``tensor_parallel/split_backward.py``) computes it
+in B, which changes when, not what. Only the last stage computes the loss; each micro-batch's loss is divided
 by the number of micro-batches before its backward, exactly as without a pipeline, and
 the step's loss is summed over the pipeline group so every rank returns it.
 
@@ -32,10 +41,13 @@ from torch import nn
 
 from parallel3d.distributed import all_reduce
 
+from parallel3d.kernels.deferred import DeferredWeightGrads, deferring
+
+from .actions import Batch, inputs_of, outputs_of
 from .p2p import StageComm
 from .partition import rank_chunks
-from .schedules import Action, Message, exchanges, plan
-from .timeline import Timeline
+from .schedules import SPLIT_BACKWARD, Action, Message, batches, owners, plan
+from .timeline import BUSY, Timeline
 
 
 def _parts(mb) -> tuple[torch.Tensor, torch.Tensor, dict, float | None]:
@@ -61,13 +73,16 @@ class _StepState:
     inbox: dict = field(default_factory=dict)  # received activations and gradients
     outbox: dict = field(default_factory=dict)  # outputs waiting for the next exchange
     stash: dict = field(default_factory=dict)  # (chunk, mb) -> (input, output): alive activations
+    deferred: dict = field(default_factory=dict)  # (chunk, mb) -> the work its W will run
+    alive: set = field(default_factory=set)  # (chunk, mb) forwarded and not yet finished
     loss: torch.Tensor | None = None  # sum of this step's micro-batch losses (last stage)
 
 
 class PipelineSchedule:
     """Executes schedule ``name`` over this rank's ``chunks`` (global chunk ids from
     ``partition.rank_chunks``). ``peak_alive`` is the most (chunk, micro-batch) pairs whose
-    activations were alive at once in the last step (forwarded, not yet backwarded)."""
+    activations were alive at once in the last step (forwarded and not yet backwarded;
+    with a split backward, not yet through their W)."""
 
     def __init__(self, chunks: list[nn.Module], loss_fn, topo, *, name: str, virtual_stages: int,
                  activation_shape: tuple[int, ...], activation_dtype: torch.dtype,
@@ -75,7 +90,9 @@ class PipelineSchedule:
                  timeline: Timeline | None = None, watch=None):
         self.topo, self.name, self.v = topo, name, virtual_stages
         self.pp, self.n_chunks = topo.pp, topo.pp * virtual_stages
-        ids = rank_chunks(topo.pp_rank, topo.pp, virtual_stages)
+        self.owners = owners(name, topo.pp, virtual_stages)
+        self.split = name in SPLIT_BACKWARD
+        ids = rank_chunks(topo.pp_rank, topo.pp, virtual_stages, name)
         assert len(ids) == len(chunks), (ids, len(chunks))
         self.chunks = dict(zip(ids, chunks))
         self.loss_fn, self.autocast, self.device = loss_fn, autocast, device
@@ -91,27 +108,23 @@ class PipelineSchedule:
         """Forward and backward every micro-batch; returns the step's mean loss (a detached
         fp32 scalar, the same on every rank of the pipeline).
 
-        With ``reduce_loss=False`` it returns this rank's part instead (the last stage's
-        loss, 0 on the others) and leaves the step window open: the caller sums the loss
-        in its own closing collective (the trainer's one all-reduce per step) and closes
-        the window after it (``timeline.close_window``)."""
-        steps = plan(self.name, self.pp, self.v, len(micro_batches), self.topo.pp_rank)
-        batches = exchanges(steps, self.pp, self.n_chunks)
+        With ``reduce_loss=False`` it returns this rank's part instead (the last chunk's
+        loss, 0 on the other ranks) and leaves the step window open: the caller sums the
+        loss in its own closing collective (the trainer's one all-reduce per step) and
+        closes the window after it (``timeline.close_window``)."""
+        m, rank = len(micro_batches), self.topo.pp_rank
+        steps = plan(self.name, self.pp, self.v, m, rank)
+        posts = batches(self.name, self.pp, self.v, m, rank)
         # No synchronisation opens the window: every rank left the previous step's closing
         # collective together, so the windows start within a collective's skew of each
         # other without another round trip.
         self.timeline.start_step(self.steps_run + 1)  # numbered from 1, as in metrics.jsonl
         st = _StepState(micro_batches, loss=torch.zeros((), dtype=torch.float32, device=self.device))
         self.peak_alive = 0
-        self._exchange(batches[0], st)
-        for step, batch in zip(steps, batches[1:]):
-            for action in step:
-                if action.op == "F":
-                    self._forward(action, st)
-                else:
-                    self._backward(action, st)
-            self._exchange(batch, st)
-        assert not st.stash and not st.inbox and not st.outbox, "plan left work undone"
+        for step, batch in zip(steps, posts):
+            self._run_step(step, self._post(batch, st), st)
+        self._run_step((), self._post(posts[-1], st), st)  # the last step's sends
+        assert not (st.stash or st.inbox or st.outbox or st.deferred), "plan left work undone"
         if self.comm is not None:
             if self.watch is not None:
                 self.watch.enter("pipeline send/recv [last sends]", "pp")
@@ -124,9 +137,20 @@ class PipelineSchedule:
         with self.timeline.span("pp collectives", "comm", lane="comm"):
             if self.watch is not None:
                 self.watch.enter("loss sum over the pipeline", "pp")
-            loss = all_reduce(st.loss, self.topo.pp_group)  # only the last stage's is non-zero
+            loss = all_reduce(st.loss, self.topo.pp_group)  # only the last chunk's rank is non-zero
         self.timeline.close_window()
         return loss
+
+    def _run_step(self, step, pending, st: _StepState) -> None:
+        """The step's actions; the posted batch is waited for just before the first one
+        that reads what it receives (a W never does), else after the last."""
+        for action in step:
+            if pending is not None and any((msg.kind, msg.chunk, msg.mb) not in st.inbox
+                                           for msg in inputs_of(action, self.owners)):
+                pending = self._receive(pending, st)
+            self._ACTIONS[action.op](self, action, st)
+        if pending is not None:
+            self._receive(pending, st)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -134,22 +158,20 @@ class PipelineSchedule:
         detached fp32 scalar, the same on every rank of the pipeline.
 
         Every rank walks the (micro-batch, global chunk) pairs in lexicographic order and
-        runs the chunks it holds: receive the activation from the previous chunk's rank,
-        forward, send to the next chunk's rank. Each message goes from a pair to a later
-        one in that common order, so the earliest unfinished pair can always proceed (no
-        deadlock, whatever the virtual stages); sends are waited for after the next
-        receive, as in :meth:`run`. Nothing is kept for a backward pass."""
+        runs the chunks it holds: receive the activation from the previous chunk's rank
+        (or keep its own, when it holds that chunk too), forward, send to the next chunk's
+        rank. Each message goes from a pair to a later one in that common order, so the
+        earliest unfinished pair can always proceed (no deadlock, whatever the placement
+        of the chunks); sends are waited for after the next receive, as in :meth:`run`.
+        Nothing is kept for a backward pass."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        last = self.n_chunks - 1
+        last, me = self.n_chunks - 1, self.topo.pp_rank
         for mb, batch in enumerate(micro_batches):
             inputs, targets, side, divisor = _parts(batch)
-            for c in range(self.n_chunks):
-                if c not in self.chunks:
-                    continue
-                if c == 0:
-                    x = inputs
-                else:
-                    msg = Message("act", c - 1, mb, src=(c - 1) % self.pp, dst=c % self.pp)
+            x = inputs
+            for c in (c for c in range(self.n_chunks) if self.owners[c] == me):
+                if c > 0 and self.owners[c - 1] != me:
+                    msg = Message("act", c - 1, mb, src=self.owners[c - 1], dst=me)
                     if self.watch is not None:
                         self.watch.enter(f"pipeline send/recv [eval recv act{c - 1}.{mb}]", "pp")
                     (x,) = self.comm.exchange([], [msg])
@@ -158,20 +180,21 @@ class PipelineSchedule:
                 if c == last:
                     total += _micro_batch_loss(self.loss_fn, out, targets, divisor,
                                                len(micro_batches)).float()
-                else:
-                    msg = Message("act", c, mb, src=c % self.pp, dst=(c + 1) % self.pp)
+                elif self.owners[c + 1] != me:
+                    msg = Message("act", c, mb, src=me, dst=self.owners[c + 1])
                     if self.watch is not None:
                         self.watch.enter(f"pipeline send/recv [eval send act{c}.{mb}]", "pp")
                     self.comm.exchange([(msg, out)], [])
+                x = out  # the next chunk's input, if this rank holds it too
         if self.comm is not None:
             if self.watch is not None:
                 self.watch.enter("pipeline send/recv [eval last sends]", "pp")
             self.comm.flush()
             if self.watch is not None:
                 self.watch.enter("eval loss sum over the pipeline", "pp")
-        return all_reduce(total, self.topo.pp_group)  # only the last stage's is non-zero
+        return all_reduce(total, self.topo.pp_group)  # only the last chunk's rank is non-zero
 
-    # -- the two actions --------------------------------------------------------------------
+    # -- the actions --------------------------------------------------------------------------
     def _forward(self, a: Action, st: _StepState) -> None:
         inputs, targets, side, divisor = _parts(st.micro_batches[a.mb])
         if a.chunk == 0:
@@ -187,44 +210,76 @@ class PipelineSchedule:
                 # masked, each sum / the global batch's supervised tokens over dp).
                 out = _micro_batch_loss(self.loss_fn, out, targets, divisor, len(st.micro_batches))
                 st.loss += out.detach().float()
-        if not last:
-            st.outbox[("act", a.chunk, a.mb)] = out.detach()
+        for msg in outputs_of(a, self.owners):
+            (st.inbox if msg.local else st.outbox)[("act", a.chunk, a.mb)] = out.detach()
         st.stash[(a.chunk, a.mb)] = (x, out)
-        self.peak_alive = max(self.peak_alive, len(st.stash))
+        st.alive.add((a.chunk, a.mb))
+        self.peak_alive = max(self.peak_alive, len(st.alive))
 
     def _backward(self, a: Action, st: _StepState) -> None:
+        """The input gradient; with a split backward the weight gradients are recorded
+        for this (chunk, micro-batch)'s W."""
         x, out = st.stash.pop((a.chunk, a.mb))
         grad = None if a.chunk == self.n_chunks - 1 else st.inbox.pop(("grad", a.chunk + 1, a.mb))
+        work = DeferredWeightGrads() if self.split else None
         with self.timeline.span(f"B{a.chunk}.{a.mb}", "backward", chunk=a.chunk, mb=a.mb):
-            torch.autograd.backward(out, grad_tensors=grad)
-        if a.chunk > 0:
-            st.outbox[("grad", a.chunk, a.mb)] = x.grad
+            with deferring(work):
+                torch.autograd.backward(out, grad_tensors=grad)
+        if work is None:
+            st.alive.discard((a.chunk, a.mb))
+        else:
+            st.deferred[(a.chunk, a.mb)] = work
+        for msg in outputs_of(a, self.owners):
+            (st.inbox if msg.local else st.outbox)[("grad", a.chunk, a.mb)] = x.grad
+
+    def _weight(self, a: Action, st: _StepState) -> None:
+        """The weight gradients this (chunk, micro-batch)'s B recorded."""
+        work = st.deferred.pop((a.chunk, a.mb))
+        with self.timeline.span(f"W{a.chunk}.{a.mb}", "weight", chunk=a.chunk, mb=a.mb):
+            work.run()
+        st.alive.discard((a.chunk, a.mb))
+
+    _ACTIONS = {"F": _forward, "B": _backward, "W": _weight}
 
     # -- communication ----------------------------------------------------------------------
-    def _exchange(self, batch: tuple[list[Message], list[Message]], st: _StepState) -> None:
+    def _post(self, batch: Batch, st: _StepState):
+        """Post ``batch``, its sends taken from the outbox; None when it is empty."""
         sends, recvs = batch
         if not sends and not recvs:
-            return
+            return None
         payload = [(msg, st.outbox.pop((msg.kind, msg.chunk, msg.mb))) for msg in sends]
         label = " ".join([f"send {m.kind}{m.chunk}.{m.mb}" for m in sends]
                          + [f"recv {m.kind}{m.chunk}.{m.mb}" for m in recvs])
+        return self.comm.post(payload, recvs), recvs, label
+
+    def _receive(self, pending, st: _StepState) -> None:
+        """Wait for a posted batch and put what it received in the inbox; returns None
+        (the caller's pending batch is then done)."""
+        posted, recvs, label = pending
         if self.watch is not None:
             self.watch.enter(f"pipeline send/recv [{label}]", "pp")
         with self.timeline.span("wait", "wait", lane="comm", ops=label):
-            received = self.comm.exchange(payload, recvs)
+            received = posted.wait()
         if self.watch is not None:
             self.watch.resume()
         for msg, tensor in zip(recvs, received):
             st.inbox[(msg.kind, msg.chunk, msg.mb)] = tensor
+        return None
 
     # -- metrics ----------------------------------------------------------------------------
     def step_metrics(self) -> dict:
         """``bubble_fraction``: idle share of the last step's window, mean over all ranks
-        (the same value on every rank), by its own all-reduce. The trainer does not call
-        this: the bubble rides its one collective per step with the other per-rank figures."""
-        bubble = torch.tensor([self.timeline.last_bubble or 0.0], dtype=torch.float64, device=self.device)
-        all_reduce(bubble, self.topo.world_group)
-        return {"bubble_fraction": float(bubble) / self.topo.world_size}
+        (the same value on every rank), and the shares of forward, backward (B) and
+        weight-gradient (W) spans beside it, by one all-reduce of their own. The trainer
+        does not call this: the bubble rides its one collective per step with the other
+        per-rank figures."""
+        shares = self.timeline.last_shares
+        figures = torch.tensor([self.timeline.last_bubble or 0.0] + [shares.get(c, 0.0) for c in BUSY],
+                               dtype=torch.float64, device=self.device)
+        all_reduce(figures, self.topo.world_group)
+        means = (figures / self.topo.world_size).tolist()
+        return {"bubble_fraction": means[0],
+                **{f"{cat}_fraction": share for cat, share in zip(BUSY, means[1:])}}
 
 
 def build_schedule(model: nn.Module, loss_fn, topo, parallel_cfg, *, activation_shape: tuple[int, ...],

@@ -1,13 +1,14 @@
 """Pipeline schedules as plain data: for each rank, the order of its forwards and backwards.
 
 A schedule is a function ``(pp, v, m, pp_rank) -> list of steps``; a step is a tuple of
-:class:`Action` run back to back, and between two steps the rank exchanges activations and
-gradients with its neighbours in one batch (see :func:`exchanges`). Keeping schedules as
-data lets the same plan drive the real runtime (``runtime.py``) and the pure simulator
-(``simulate.py``) that checks every plan for deadlock, message order and memory.
+:class:`~.actions.Action` run back to back, and between two steps the rank exchanges
+activations and gradients with its neighbours in one batch (:func:`batches`). Keeping
+schedules as data lets the same plan drive the real runtime (``runtime.py``) and the pure
+simulator (``simulate.py``) that checks every plan for deadlock, message order and memory.
 
-Notation: ``m`` micro-batches, ``pp`` stages, ``v`` chunks per stage (virtual stages).
-Chunk ``c`` lives on rank ``c % pp`` (``partition.py``); the model is chunks ``0 .. pp*v-1``.
+Notation: ``m`` micro-batches, ``pp`` stages, ``v`` chunks per stage (virtual stages); the
+model is chunks ``0 .. pp*v-1``, placed by ``partition.chunk_owners`` (``c % pp``, or a V
+for zb-v).
 
 * ``gpipe``: every forward, then every backward (keeps all ``m`` micro-batches alive).
 * ``1f1b``: warm-up forwards, then one forward / one backward, then the remaining
@@ -15,36 +16,17 @@ Chunk ``c`` lives on rank ``c % pp`` (``partition.py``); the model is chunks ``0
 * ``interleaved``: 1F1B over ``v`` chunks per rank in the order of Narayanan et al. 2021
   (micro-batches in groups of ``pp``, each group through chunk 0, then chunk 1, ...);
   the bubble shrinks by ``v`` for ``v``-fold more point-to-point messages.
+* ``zb-h1``, ``zb-v``: zero-bubble schedules, whose backward is split into B (input
+  gradient) and W (weight gradient), W filling the bubble (``zero_bubble.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import lru_cache
 
-
-@dataclass(frozen=True)
-class Action:
-    op: str  # "F" forward or "B" backward
-    chunk: int  # global chunk index
-    mb: int  # micro-batch index
-
-    def __str__(self) -> str:
-        return f"{self.op}{self.chunk}.{self.mb}"
-
-
-Step = tuple  # tuple[Action, ...]: actions run back to back between two exchanges
-
-
-@dataclass(frozen=True)
-class Message:
-    """An activation (``act``: output of forward ``chunk``) or a gradient (``grad``: with
-    respect to the input of ``chunk``) of micro-batch ``mb``, between pipeline ranks."""
-
-    kind: str
-    chunk: int
-    mb: int
-    src: int  # pp_rank that sends it
-    dst: int  # pp_rank that receives it
+from .actions import Action, Batch, Message, Step, exchanges, inputs_of, outputs_of, slot_exchanges
+from .partition import chunk_owners
+from .zero_bubble import zb_h1, zb_v
 
 
 def _F(chunk: int, mb: int) -> Action:
@@ -137,11 +119,19 @@ def _interleaved_cooldown(bwd: list[Action], start: int) -> list[Step]:
 
 # -- Plans and the messages they imply -----------------------------------------------------
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved,
+             "zb-h1": zb_h1, "zb-v": zb_v}
+SPLIT_BACKWARD = ("zb-h1", "zb-v")  # schedules whose B is the input gradient, W the weights'
+SLOT_ALIGNED = ("zb-v",)  # schedules whose batches follow the slot rule (actions.py)
 
 
 def _own_chunks(pp: int, v: int, pp_rank: int) -> list[int]:
     return [pp_rank + j * pp for j in range(v)]
+
+
+def owners(name: str, pp: int, v: int) -> list[int]:
+    """The pipeline rank of every global chunk under schedule ``name``."""
+    return chunk_owners(pp, v, name)
 
 
 def plan(name: str, pp: int, v: int, m: int, pp_rank: int) -> list[Step]:
@@ -149,35 +139,19 @@ def plan(name: str, pp: int, v: int, m: int, pp_rank: int) -> list[Step]:
     return SCHEDULES[name](pp, v, m, pp_rank)
 
 
-def inputs_of(a: Action, pp: int, n_chunks: int) -> list[Message]:
-    """What ``a`` must receive before it runs."""
-    if a.op == "F" and a.chunk > 0:
-        return [Message("act", a.chunk - 1, a.mb, (a.chunk - 1) % pp, a.chunk % pp)]
-    if a.op == "B" and a.chunk < n_chunks - 1:
-        return [Message("grad", a.chunk + 1, a.mb, (a.chunk + 1) % pp, a.chunk % pp)]
-    return []
+def batches(name: str, pp: int, v: int, m: int, pp_rank: int) -> list[Batch]:
+    """This rank's exchange batches for :func:`plan`'s steps: ``len(steps) + 1`` of
+    them, batch ``i`` posted before step ``i`` (the last after the last step)."""
+    if name in SLOT_ALIGNED:
+        return list(_slot_batches(name, pp, v, m)[pp_rank])
+    return exchanges(plan(name, pp, v, m, pp_rank), owners(name, pp, v))
 
 
-def outputs_of(a: Action, pp: int, n_chunks: int) -> list[Message]:
-    """What ``a`` sends once it has run."""
-    if a.op == "F" and a.chunk < n_chunks - 1:
-        return [Message("act", a.chunk, a.mb, a.chunk % pp, (a.chunk + 1) % pp)]
-    if a.op == "B" and a.chunk > 0:
-        return [Message("grad", a.chunk, a.mb, a.chunk % pp, (a.chunk - 1) % pp)]
-    return []
+@lru_cache(maxsize=256)
+def _slot_batches(name: str, pp: int, v: int, m: int) -> tuple:
+    steps = [plan(name, pp, v, m, r) for r in range(pp)]
+    return tuple(tuple(b) for b in slot_exchanges(steps, owners(name, pp, v)))
 
 
-def exchanges(steps: list[Step], pp: int, n_chunks: int) -> list[tuple[list[Message], list[Message]]]:
-    """The (sends, receives) batches of a rank: ``len(steps) + 1`` of them.
-
-    Batch 0 receives the inputs of step 0; batch ``i + 1`` sends the outputs of step ``i``
-    and receives the inputs of step ``i + 1``. In 1F1B's steady state that is exactly
-    "send forward, receive backward" after a forward and "send backward, receive forward"
-    after a backward: one batched call per step instead of two.
-    """
-    batches = []
-    for i in range(len(steps) + 1):
-        sends = [msg for a in steps[i - 1] for msg in outputs_of(a, pp, n_chunks)] if i else []
-        recvs = [msg for a in steps[i] for msg in inputs_of(a, pp, n_chunks)] if i < len(steps) else []
-        batches.append((sends, recvs))
-    return batches
+__all__ = ["Action", "Message", "Step", "SCHEDULES", "SPLIT_BACKWARD", "batches", "exchanges",
+           "inputs_of", "outputs_of", "owners", "plan"]

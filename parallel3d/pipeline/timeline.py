@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 LANES = ("compute", "comm")
-BUSY = ("forward", "backward")  # span categories that count as work in the bubble
+BUSY = ("forward", "backward", "weight")  # span categories that count as work in the bubble
 
 
 class _CpuClock:
@@ -59,6 +59,7 @@ class Timeline:
         self.record_steps = record_steps
         self.recorded: list[dict] = []  # {"step", "offset_s", "spans": [(name, cat, lane, t0, t1, args)]}
         self.last_bubble: float | None = None
+        self.last_shares: dict[str, float] = {}  # share of the last window per BUSY category
         self._origin = None  # mark of the first step's start
         self._step = None
 
@@ -119,8 +120,12 @@ class Timeline:
             window = self.clock.seconds(step["start"], step["work_end"]) + self.clock.seconds(t0, t1)
         else:
             window = self.clock.seconds(step["start"], end)
-        busy = sum(self.clock.seconds(t0, t1) for _, cat, _, t0, t1, _ in step["spans"] if cat in BUSY)
-        self.last_bubble = max(0.0, 1.0 - busy / window) if window > 0 else 0.0
+        per = dict.fromkeys(BUSY, 0.0)
+        for _, cat, _, t0, t1, _ in step["spans"]:
+            if cat in per:
+                per[cat] += self.clock.seconds(t0, t1)
+        self.last_shares = {cat: t / window if window > 0 else 0.0 for cat, t in per.items()}
+        self.last_bubble = max(0.0, 1.0 - sum(per.values()) / window) if window > 0 else 0.0
         return self.last_bubble
 
     def step_breakdown(self) -> dict[str, float]:
@@ -167,11 +172,15 @@ def comm_span(timeline: Timeline | None, name: str):
 def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
     """One Chrome-trace object from every rank's ``Timeline.export()``.
 
-    Step ``s`` of every rank starts at rank 0's offset of step ``s``; times in microseconds.
+    Step ``s`` of every rank starts at rank 0's offset of step ``s``, or later: never before
+    that rank's previous step ended (ranks leave a step's closing collective a little apart,
+    so a rank's step can last longer than rank 0's, and its steps would otherwise overlap
+    on its own lanes); times in microseconds.
     """
     events: list[dict] = []
     base = {rec["step"]: rec["offset_s"] for rec in ranks[0]} if ranks else {}
     for pid, (recorded, name) in enumerate(zip(ranks, names)):
+        previous_end = None
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}})
         events.append({"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
@@ -180,6 +189,11 @@ def chrome_trace(ranks: list[list[dict]], names: list[str]) -> dict:
                            "args": {"name": lane}})
         for rec in recorded:
             offset = base.get(rec["step"], rec["offset_s"])
+            if rec["spans"]:
+                first = min(t0 for _, _, _, t0, _, _ in rec["spans"])
+                if previous_end is not None:
+                    offset = max(offset, previous_end - first)
+                previous_end = offset + max(t1 for _, _, _, _, t1, _ in rec["spans"])
             for span_name, cat, lane, t0, t1, args in rec["spans"]:
                 events.append({
                     "name": span_name, "cat": cat, "ph": "i" if cat == "mark" else "X", "pid": pid,

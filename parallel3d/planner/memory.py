@@ -45,6 +45,16 @@ chunk-micro-batches (Megatron-LM's warm-up count plus one; all ``m v`` when ``m 
 where the plan has no steady state). A chunk other than the model's last also keeps its
 output (``r*d``) per in-flight micro-batch: the runtime stashes it for the backward.
 
+Zero-bubble schedules free a micro-batch's activations in two steps: B (the input
+gradient) frees all but what its W reads, the *W stash* (:func:`layer_stash_bytes`: each
+GEMM's input and output gradient, each norm's input and output gradient; the head's input
+and its logits' gradient, :func:`head_stash_bytes`), and W frees that; a W itself holds its computed gradients until it hands them to autograd,
+in groups of up to 16 MiB (``kernels/deferred.py``). Counted alive until
+their W: ``min(pp, m)`` on every rank for zb-h1 (``min(pp - r, m)`` of them before their
+B, as 1F1B), ``min(2 pp, m + r + 1)`` chunk-micro-batches for zb-v. The plan's walk
+(:func:`backward_moments`) gives, at each B, how many are before their B and how many
+between B and W.
+
 Model states per parameter held (bytes, see :data:`~parallel3d.planner.spec.PRECISION`):
 weights, master weights (mixed precision only), gradients (fp32) and Adam (8), all
 allocated by the flat-buffer optimizer at construction. ZeRO 1 shards master weights and
@@ -63,6 +73,7 @@ from functools import lru_cache
 from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, layer_split, rank_chunks
 
 BUCKET_BYTES = 25 * 2**20  # gradient buckets (parallel.bucket_mb)
+FLUSH_BYTES = 16 * 2**20  # a W's weight gradients handed to autograd together (kernels/deferred.py)
 MAX_INFLIGHT = 2  # bucket reductions in flight at once (parallel3d/zero/grads.py)
 INIT_CHUNK_BYTES = 12 * 2**20  # the seeded initialisation's host temporaries (tensor_parallel/init.py)
 
@@ -166,11 +177,35 @@ def head_activation_bytes(model, tokens: int, layout: Layout, act: int) -> tuple
     return tokens * (norm + act * v + 8 + 8), tokens * act * v
 
 
-def backward_moments(layout: Layout, n_micro: int, pp_rank: int) -> list[tuple[int, int, int, bool]]:
-    """At the start of each backward of ``pp_rank``'s plan (the one the pipeline runtime
-    runs, ``pipeline/schedules.py``), without repeats: (chunk-micro-batches alive, those of
-    the model's last chunk, this rank's chunks that already ran a backward this step,
-    whether this backward is the last chunk's)."""
+def layer_stash_bytes(model, tokens: int, layout: Layout, act: int) -> int:
+    """What a decoder layer keeps from its B to its W (zero-bubble schedules) for
+    ``tokens`` tokens: each GEMM's input and the gradient of its output, each norm's
+    input and output gradient (and its fp32 rstd). Under sequence parallelism the column-
+    parallel inputs are kept as this rank's shard (the W gathers them again), while the
+    row-parallel GEMMs' output gradients are whole (B, S, d)."""
+    d, f, tp = model.dim, model.ffn_dim, layout.tp
+    kv = model.n_kv_heads * model.head_dim
+    sp = tp if layout.sequence_parallel else 1
+    inputs = 2 * d // sp + (d + f) // tp  # qkv and gate/up read the normed x; o, down
+    out_grads = (d + 2 * kv + 2 * f) // tp + 2 * d  # q, k, v, gate, up; o and down whole
+    norms = 4 * d // sp  # two norms: input and output gradient
+    return tokens * (act * (inputs + out_grads + norms) + 2 * 4)
+
+
+def head_stash_bytes(model, tokens: int, layout: Layout, act: int) -> int:
+    """What the last chunk keeps from B to W: the head's input and its logits' gradient
+    (``V/tp`` per token: the W's GEMM reads it), the final norm's input and gradient."""
+    v = -(-model.vocab_size // layout.tp)
+    sp = layout.tp if layout.sequence_parallel else 1
+    return tokens * (act * (model.dim + v + 2 * model.dim // sp) + 4)
+
+
+def backward_moments(layout: Layout, n_micro: int, pp_rank: int) -> list[tuple[int, int, int, int, int, bool]]:
+    """At the start of each backward (and each W) of ``pp_rank``'s plan (the one the
+    pipeline runtime runs, ``pipeline/schedules.py``), without repeats: (chunk-micro-
+    batches alive before their B, those of the model's last chunk, between their B and W
+    (zero-bubble), those of the last chunk, this rank's chunks that already ran a backward
+    this step, whether this backward is the last chunk's: True / False, None for a W)."""
     schedule = layout.schedule if layout.pp > 1 else "1f1b"  # pp = 1: forward, backward per micro-batch
     return _moments(schedule, layout.pp, layout.virtual_stages, n_micro, pp_rank)
 
@@ -181,22 +216,32 @@ def _moments(schedule: str, pp: int, v: int, n_micro: int, pp_rank: int) -> list
 
     last = pp * v - 1
     alive: dict[int, int] = {}
+    stashed: dict[int, int] = {}
     done: set[int] = set()
     out = set()
     for step in plan(schedule, pp, v, n_micro, pp_rank):
         for a in step:
             if a.op == "F":
                 alive[a.chunk] = alive.get(a.chunk, 0) + 1
-                continue
-            out.add((sum(alive.values()), alive.get(last, 0), len(done), a.chunk == last))
-            alive[a.chunk] -= 1
-            done.add(a.chunk)
+            elif a.op == "W":
+                # a W's moment: its gradients computed (up to FLUSH_BYTES) beside every stash
+                out.add((sum(alive.values()), alive.get(last, 0), sum(stashed.values()),
+                         stashed.get(last, 0), len(done), None))
+                stashed[a.chunk] -= 1
+            else:
+                out.add((sum(alive.values()), alive.get(last, 0), sum(stashed.values()),
+                         stashed.get(last, 0), len(done), a.chunk == last))
+                alive[a.chunk] -= 1
+                done.add(a.chunk)
+                if schedule in ("zb-h1", "zb-v"):
+                    stashed[a.chunk] = stashed.get(a.chunk, 0) + 1
     return sorted(out)
 
 
 def in_flight(layout: Layout, n_micro: int, pp_rank: int) -> int:
-    """Micro-batches (chunk-micro-batches when interleaved) alive on ``pp_rank``: the
-    closed form of the largest count :func:`backward_moments` walks."""
+    """Micro-batches (chunk-micro-batches when interleaved or zb-v) alive on ``pp_rank``,
+    until their W with a zero-bubble schedule: the closed form of the largest count the
+    plan's walk gives (:func:`backward_moments`)."""
     if layout.pp == 1:
         return 1
     if layout.schedule == "gpipe":
@@ -206,12 +251,16 @@ def in_flight(layout: Layout, n_micro: int, pp_rank: int) -> int:
         if n_micro == layout.pp:  # no steady state: the plan runs every forward first
             return n_micro * v
         return min(n_micro * v, 2 * (layout.pp - pp_rank - 1) + (v - 1) * layout.pp + 1)
+    if layout.schedule == "zb-h1":
+        return min(layout.pp, n_micro)
+    if layout.schedule == "zb-v":
+        return min(2 * layout.pp, n_micro + pp_rank + 1)
     return min(layout.pp - pp_rank, n_micro)
 
 
 def stage_params(model, layout: Layout, pp_rank: int, split: list[int]) -> tuple[int, int, int]:
     """(parameters held, layers held, largest single parameter) on ``pp_rank``."""
-    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages)
+    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
     layers = sum(split[c] for c in chunks)
     n = layers * layer_params(model, layout.tp)
     embed = model.vocab_size * model.dim // layout.tp
@@ -232,7 +281,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     every rank's copy of its slice into a buffer of the bucket's size per reduction in
     flight (NCCL reduces in place)."""
     model, b = work.model, work.bytes
-    split = split or layer_split(model, layout.pp, layout.virtual_stages)
+    split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     n, layers, largest = stage_params(model, layout, pp_rank, split)
     m = layout.n_micro(work)
     mem = StageMemory(stage=pp_rank, layers=layers, params=n)
@@ -271,9 +320,20 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     # backward (pipeline/runtime.py); autograd itself saves no layer's output.
     stashed = tokens * b["act"] * model.dim // (layout.tp if layout.sequence_parallel else 1)
     saved, extra = head_activation_bytes(model, tokens, layout, b["act"])
+    chunk_stash = per_chunk_layers * layer_stash_bytes(model, tokens, layout, b["act"])
+    head_stash = head_stash_bytes(model, tokens, layout, b["act"])
     best = None
-    for alive, alive_last, done, is_last in backward_moments(layout, m, pp_rank):
-        act = alive * chunk_act + (alive - alive_last) * stashed + alive_last * saved
+    # A W computes its chunk's weight gradients, handing them to autograd in groups of up
+    # to FLUSH_BYTES (kernels/deferred.py): what exists at once besides the buffers.
+    w_group = min(FLUSH_BYTES, n * b["weight"] // layout.virtual_stages) + largest * b["weight"]
+    for alive, alive_last, waiting, waiting_last, done, is_last in backward_moments(layout, m, pp_rank):
+        act = (alive * chunk_act + (alive - alive_last) * stashed + alive_last * saved
+               + waiting * chunk_stash + waiting_last * head_stash)
+        if is_last is None:  # a W: no recomputation, no loss buffers
+            total = act + mem.full_grads + w_group
+            if best is None or total > best[0]:
+                best = (total, act, w_group, alive + waiting)
+            continue
         # The loss's backward buffers and a rebuilt layer never coexist: the loss's
         # backward ends (freeing them and its micro-batch's saved head) before autograd
         # reaches the last decoder layer and recomputes it.
@@ -283,7 +343,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         transient = max(transient, transient_grads - act)
         total = act + mem.full_grads + transient
         if best is None or total > best[0]:
-            best = (total, act, transient, alive)
+            best = (total, act, transient, alive + waiting)
     _, mem.activations, mem.backward_transient, mem.in_flight = best
     mem.grads = mem.full_grads
     # The step: clipping and torch's fused AdamW work in place over the flat shards, and

@@ -9,6 +9,7 @@ from parallel3d.planner.search import Candidate
 from parallel3d.planner.spec import Layout, Workload
 
 GiB = 2**30
+ZERO_BUBBLE = ("zb-h1", "zb-v")
 
 
 def table(candidates: list[Candidate], top: int) -> str:
@@ -63,6 +64,12 @@ def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int) ->
         alternatives.append(("the same layout with full recomputation", lambda L: L == _with(lay, recompute="full")))
     if lay.zero > 0:
         alternatives.append(("the same layout without ZeRO", lambda L: L == _with(lay, zero=0)))
+    if lay.pp > 1 and lay.schedule in ZERO_BUBBLE:
+        alternatives.append(("the same layout with 1f1b",
+                             lambda L: L == _with(lay, schedule="1f1b", virtual_stages=1)))
+    elif lay.pp > 1:
+        alternatives.append(("a zero-bubble schedule on the same degrees",
+                             lambda L: L.schedule in ZERO_BUBBLE and (L.tp, L.pp, L.dp) == (lay.tp, lay.pp, lay.dp)))
     seen = {lay}
     for label, pick in alternatives:
         alt = _best_of(candidates, pick)

@@ -79,10 +79,13 @@ def valid_layouts(work: Workload, n_gpus: int, gpus_per_node: int, fixed: dict |
 def _variants(model, tp, pp, dp, mb, n_micro, fixed):
     schedules = [("1f1b", 1)]
     if pp > 1:
-        # interleaved: as check_job demands, micro-batches a multiple of pp
-        schedules = [("gpipe", 1), ("1f1b", 1)] + [
+        # interleaved: as check_job demands, micro-batches a multiple of pp; zb-v: two
+        # chunks per rank
+        schedules = [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1)] + [
             ("interleaved", v) for v in VIRTUAL_STAGES
             if pp * v <= model.n_layers and n_micro % pp == 0]
+        if 2 * pp <= model.n_layers:
+            schedules.append(("zb-v", 2))
     zeros = (0, 1, 2) if dp > 1 else (0,)
     sps = (False, True) if tp > 1 else (False,)
     for (schedule, v), zero, recompute, sp in product(schedules, zeros, ("none", "selective", "full"), sps):

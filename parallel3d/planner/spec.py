@@ -51,7 +51,7 @@ class Layout:
     pp: int = 1
     dp: int = 1
     micro_batch: int = 1
-    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved (ignored when pp == 1)
+    schedule: str = "1f1b"  # gpipe, 1f1b, interleaved, zb-h1, zb-v (ignored when pp == 1)
     virtual_stages: int = 1
     zero: int = 0
     recompute: str = "none"
@@ -88,24 +88,31 @@ class Layout:
                    recompute=cfg.train.recompute, sequence_parallel=par.sequence_parallel)
 
 
-def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None) -> list[int]:
+def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None,
+                schedule: str = "1f1b") -> list[int]:
     """Layers per global pipeline chunk: the pipeline's own rule
     (:func:`parallel3d.pipeline.partition.resolve_split`, weighing the output head by its
-    GEMM cost), so the planner and the dry run predict the split training will use."""
-    return list(_layer_split(model, pp, virtual_stages, tuple(pp_layers) if pp_layers else None))
+    GEMM cost; zb-v's ranks balanced), so the planner and the dry run predict the split
+    training will use."""
+    return list(_layer_split(model, pp, virtual_stages, tuple(pp_layers) if pp_layers else None, schedule))
 
 
 @lru_cache(maxsize=None)
-def _layer_split(model, pp: int, virtual_stages: int, pp_layers: tuple[int, ...] | None) -> tuple[int, ...]:
+def _layer_split(model, pp: int, virtual_stages: int, pp_layers: tuple[int, ...] | None,
+                 schedule: str) -> tuple[int, ...]:
     # The search asks for the same (model, pp, v) split for every micro-batch size,
     # schedule, ZeRO stage and recompute setting; the rule's exact arithmetic is slow.
     from parallel3d.models.llama.parallelize import stage_costs
     from parallel3d.pipeline.partition import resolve_split
 
     return tuple(resolve_split(model.n_layers, pp, virtual_stages,
-                               list(pp_layers) if pp_layers else None, *stage_costs(model)))
+                               list(pp_layers) if pp_layers else None, *stage_costs(model),
+                               schedule=schedule))
 
 
-def rank_chunks(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """Global chunks held by pipeline rank ``pp_rank``: ``pp_rank + j * pp``."""
-    return [pp_rank + j * pp for j in range(virtual_stages)]
+def rank_chunks(pp_rank: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
+    """Global chunks held by pipeline rank ``pp_rank`` under ``schedule``: ``pp_rank + j * pp``,
+    or zb-v's ``pp_rank, 2 pp - 1 - pp_rank`` (``parallel3d.pipeline.partition``)."""
+    from parallel3d.pipeline.partition import rank_chunks as placed
+
+    return placed(pp_rank, pp, virtual_stages, schedule)

@@ -8,11 +8,23 @@ Per pipeline slot (one micro-batch through one stage, forward and backward)::
               Sequence parallelism swaps each for a reduce-scatter + all-gather pair, the
               same bytes. Not overlapped with compute.
 
-The pipeline runs ``m + (pp - 1) / v`` slots of the slowest stage (``v`` chunks per rank
-with the interleaved schedule, 1 otherwise): the ``(pp - 1) / v`` extra slots are the
-bubble. Each slot also sends the stage's output activation forward and its gradient back
-(point-to-point, on the inter-node link when pipeline neighbours sit on different nodes),
-``v`` times per slot when interleaved; these are not overlapped either.
+A slot splits into F (the forward: GEMMs and attention), B (the input gradient: dgrad
+GEMMs, the attention backward, what recomputation re-runs, the backward's tp collectives)
+and W (the weight gradient: wgrad GEMMs). The pipeline idles, per stage and step
+(:func:`bubble_seconds`; F, B, W of the slowest stage, all its chunks)::
+
+    gpipe, 1f1b    (pp - 1) (F + B + W)
+    interleaved    (pp - 1) (F + B + W) / v
+    zb-h1          (pp - 1) max(F + B - W, F, B)    the W's fill the cool-down
+    zb-v           the simulator's idle time of the plan (pipeline/simulate.py) at
+                   min(m, 2 pp - 1) micro-batches, which m does not change beyond that;
+                   (pp - 1) max(F + B - W, F, B) / 2 past pp 16 (exact at F = B = W)
+
+The first three are exact for the simulator's plans at any costs (``tests/test_planner.py``
+checks them against it); zb-v's idle under unequal costs depends on pp in no simple way,
+so it is simulated (cached by pp and the cost ratios, 0.1 s at pp 16). Each slot also sends the stage's output activation forward
+and its gradient back (point-to-point, on the inter-node link when pipeline neighbours
+sit on different nodes), once per chunk of the rank; these are not overlapped either.
 
 After the last backward, data parallelism: ZeRO 0 all-reduces the fp32 gradients, ZeRO 1
 reduce-scatters them and all-gathers the updated weights, ZeRO 2 reduce-scatters after
@@ -29,6 +41,7 @@ optimizer step streams master weights, gradients and moments through HBM.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_per_token,
                               model_flops_per_token)
@@ -70,16 +83,61 @@ def _links(gpu: GPU, eff: Efficiency, within_node: bool) -> tuple[float, float]:
 
 def stage_flops_per_token(work: Workload, layout: Layout, pp_rank: int, split: list[int]) -> float:
     """Hardware training FLOPs per token of one tensor-parallel rank of ``pp_rank``."""
+    return sum(stage_phase_flops(work, layout, pp_rank, split))
+
+
+def stage_phase_flops(work: Workload, layout: Layout, pp_rank: int,
+                      split: list[int]) -> tuple[float, float, float]:
+    """(F, B, W) FLOPs per token of one tensor-parallel rank of ``pp_rank``: the forward;
+    the input gradient (the dgrad GEMMs, twice the attention products, what recomputation
+    re-runs); the weight gradient (the wgrad GEMMs). A layer's backward is its forward's
+    GEMMs twice plus its attention twice: B + W = 2 F."""
     model, seq = work.model, work.seq_len
-    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages)
+    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
     layers = sum(split[c] for c in chunks)
     layer_fwd = layer_forward_flops_per_token(model, seq)
     attention_fwd = 4 * seq * model.n_heads * model.head_dim
+    gemm_fwd = layer_fwd - attention_fwd
     redo = {"none": 0, "full": layer_fwd, "selective": attention_fwd}[layout.recompute]
-    flops = layers * (3 * layer_fwd + redo)
+    f, b, w = layers * layer_fwd, layers * (gemm_fwd + 2 * attention_fwd + redo), layers * gemm_fwd
     if (layout.chunks - 1) in chunks:
-        flops += 3 * head_forward_flops_per_token(model)
-    return flops / layout.tp
+        head = head_forward_flops_per_token(model)
+        f, b, w = f + head, b + head, w + head
+    return f / layout.tp, b / layout.tp, w / layout.tp
+
+
+def bubble_seconds(schedule: str, pp: int, v: int, m: int, f: float, b: float, w: float) -> float:
+    """Idle seconds of a stage per step (module docstring); ``f``, ``b``, ``w``: one
+    micro-batch's forward, input-gradient and weight-gradient seconds on the slowest
+    stage, over all its chunks."""
+    if pp == 1:
+        return 0.0
+    if schedule == "zb-h1":
+        return (pp - 1) * max(f + b - w, f, b)
+    if schedule == "zb-v":
+        if pp > SIMULATED_ZB_V_UP_TO:
+            return (pp - 1) * max(f + b - w, f, b) / 2
+        return f * _zb_v_idle(pp, min(m, 2 * pp - 1), round(b / f, 3), round(w / f, 3))
+    return (pp - 1) * (f + b + w) / (v if schedule == "interleaved" else 1)
+
+
+SIMULATED_ZB_V_UP_TO = 16  # pipeline depth up to which zb-v's bubble is simulated
+
+
+@lru_cache(maxsize=4096)
+def _zb_v_idle(pp: int, m: int, b: float, w: float) -> float:
+    """Idle time of zb-v's plan per stage at forward cost 1 (per stage; each chunk half)."""
+    from parallel3d.pipeline.simulate import simulate
+
+    run = simulate("zb-v", pp, 2, m, 0.5, b / 2, w / 2)
+    return run.makespan - m * (1 + b + w)
+
+
+def bubble_fraction(schedule: str, pp: int, v: int, m: int, f: float, b: float, w: float) -> float:
+    """The idle share of the step window :func:`bubble_seconds` predicts (what the
+    timeline measures as ``bubble_fraction``)."""
+    idle = bubble_seconds(schedule, pp, v, m, f, b, w)
+    return idle / (idle + m * (f + b + w))
 
 
 def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
@@ -87,24 +145,27 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     """The step of ``layout``, with the efficiencies ``eff`` (the planner's default:
     ``parallel3d.planner.calibrate.default_efficiency()``)."""
     model, b = work.model, work.bytes
-    split = split or layer_split(model, layout.pp, layout.virtual_stages)
+    split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     m = layout.n_micro(work)
     tokens = layout.micro_batch * work.seq_len
     flop_rate = gpu.peak_flops * eff.compute
 
-    # -- one pipeline slot of the slowest stage ---------------------------------------
-    compute_slot = max(stage_flops_per_token(work, layout, r, split) for r in range(layout.pp)) * tokens / flop_rate
+    # -- one pipeline slot of the slowest stage: forward, input gradient, weight gradient -
+    phases = [stage_phase_flops(work, layout, r, split) for r in range(layout.pp)]
+    slowest = max(phases, key=sum)
     tp_bw, tp_lat = _links(gpu, eff, layout.tp <= gpus_per_node)
     act_bytes = tokens * model.dim * b["act"]
-    per_layer = 6 if layout.recompute == "full" else 4
-    max_layers = max(sum(split[c] for c in rank_chunks(r, layout.pp, layout.virtual_stages))
+    max_layers = max(sum(split[c] for c in rank_chunks(r, layout.pp, layout.virtual_stages, layout.schedule))
                      for r in range(layout.pp))
-    tp_slot = per_layer * max_layers * ring_time("all_reduce", act_bytes, layout.tp, tp_bw, tp_lat)
+    ring = max_layers * ring_time("all_reduce", act_bytes, layout.tp, tp_bw, tp_lat)
+    # per layer 2 all-reduces forward, 2 in B (4 with full recomputation), none in W
+    f, bwd, w = (x * tokens / flop_rate for x in slowest)
+    f, bwd = f + 2 * ring, bwd + (4 if layout.recompute == "full" else 2) * ring
+    compute_slot, tp_slot = sum(slowest) * tokens / flop_rate, (6 if layout.recompute == "full" else 4) * ring
     slot = compute_slot + tp_slot
 
-    slots = m + (layout.pp - 1) / layout.virtual_stages
     compute_s = m * compute_slot
-    bubble_s = (slots - m) * slot
+    bubble_s = bubble_seconds(layout.schedule, layout.pp, layout.virtual_stages, m, f, bwd, w)
     tp_comm_s = m * tp_slot
 
     # -- pipeline point-to-point ------------------------------------------------------
@@ -115,7 +176,7 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
         bw, lat = _links(gpu, eff, layout.world_size <= gpus_per_node)
         shard = layout.tp if layout.sequence_parallel else 1
         msg = act_bytes / shard / bw + lat
-        pp_comm_s = 2 * slots * layout.virtual_stages * msg
+        pp_comm_s = 2 * (m + bubble_s / slot) * layout.virtual_stages * msg
 
     # -- data parallelism and the optimizer step ----------------------------------------
     n_params = max(stage_params(model, layout, r, split)[0] for r in range(layout.pp))

@@ -4,6 +4,8 @@
     column.py         column-parallel layers sharing an input in one node; dX reduction
                       overlapped with the wgrad GEMMs
     layers.py         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    split_backward.py embedding / bias / linear whose weight gradient a zero-bubble W
+                      computes; split_weight_grads for nn.Linear and nn.Embedding
     cross_entropy.py  cross-entropy over vocabulary-split logits, never gathered
     grad_sync.py      summing gradients of parameters held by several tp ranks
     init.py           counter-based init of shards without the full tensor; materialize_

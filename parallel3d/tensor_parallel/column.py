@@ -32,6 +32,12 @@ gloo (CPU) the collective runs on gloo's worker thread while this thread compute
 wgrads; ``wait`` blocks until it is done. ``ORDER`` records, in tests, the order in
 which the reduction is issued, the wgrads run and the wait returns.
 
+Split backward (zero-bubble schedules, :mod:`parallel3d.kernels.deferred`): inside a
+backward run under ``deferring(work)`` the node computes the dgrads and the dX reduction
+only (waited for at once: there is no wgrad left to overlap it with) and records the
+wgrads as one closure for the schedule's W, which under sequence parallelism gathers X
+again from the kept shard (all tp ranks run the same plan, so they gather together).
+
 Layout: under sequence parallelism a rank holds a run of the B*S tokens (``comm.py``),
 the layout the collectives read and write, so neither the gather nor the reduce-scatter
 copies at any micro_batch B. Sharding S within each sequence instead would cost, at
@@ -51,8 +57,11 @@ the reduce-scattered dX of the shard); any other use of it raises in backward.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from parallel3d.kernels.deferred import defer
 from parallel3d.kernels.gemm import dgrad_gemm, forward_gemm, wgrad_gemm
 
 from .comm import (_gather_tokens, group_size, start_all_reduce, start_gather_tokens,
@@ -87,6 +96,9 @@ class _ColumnParallelGemms(torch.autograd.Function):
         ctx.save_for_backward(shard if sp else x2d, *weights)
         ctx.spec, ctx.gathered_shape = spec, x.shape
         ctx.has_bias = [b is not None for b in biases]
+        # what a deferred W hands its gradients to: the inputs themselves (recomputation
+        # hands back copies of the saved tensors, not leading to the parameters)
+        ctx.params = (weights, biases)
         ctx.set_materialize_grads(False)
         return tuple(ys)
 
@@ -94,40 +106,59 @@ class _ColumnParallelGemms(torch.autograd.Function):
     def backward(ctx, *grads):
         group, sp, backend, main_grads, _ = ctx.spec
         saved, *weights = ctx.saved_tensors
-        # under sequence parallelism X is gathered again, while the dgrads run
-        gathering = start_gather_tokens(saved, group) if sp else None
-        x2d = None if sp else saved
         dys = [None if g is None else g.reshape(-1, w.shape[0]) for g, w in zip(grads, weights)]
+        wants = [(ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i] and ctx.has_bias[i])
+                 for i in range(len(weights))]
+        work = [(i, dy, ww, wb) for i, (dy, (ww, wb)) in enumerate(zip(dys, wants))
+                if dy is not None and (ww or wb)]
+        spec = (group, sp, backend, saved, weights, ctx.params, main_grads, work)
+        # A zero-bubble schedule's B: the wgrads are recorded for its W (which gathers X
+        # again under sequence parallelism); nothing is left to overlap the dX reduction.
+        deferred = bool(work) and defer(partial(_weight_grads, spec))
+        # under sequence parallelism X is gathered again, while the dgrads run
+        gathering = start_gather_tokens(saved, group) if sp and work and not deferred else None
         pending = None
         if ctx.needs_input_grad[0]:
-            partial = None  # D_r = sum_i dY_i A_i, (B*S, K)
+            partial_dx = None  # D_r = sum_i dY_i A_i, (B*S, K)
             for dy, w in zip(dys, weights):
                 if dy is not None:
                     part = dgrad_gemm(dy, w, backend)
-                    partial = part if partial is None else partial.add_(part)
-            if partial is None:
-                partial = saved.new_zeros(ctx.gathered_shape)
-            partial = partial.view(ctx.gathered_shape)
-            pending = (start_reduce_scatter_tokens(partial, group) if sp
-                       else start_all_reduce(partial, group))
+                    partial_dx = part if partial_dx is None else partial_dx.add_(part)
+            if partial_dx is None:
+                partial_dx = saved.new_zeros(ctx.gathered_shape)
+            partial_dx = partial_dx.view(ctx.gathered_shape)
+            pending = (start_reduce_scatter_tokens(partial_dx, group) if sp
+                       else start_all_reduce(partial_dx, group))
             _note("reduce started")
-        if gathering is not None:
-            x2d = gathering.wait().reshape(-1, saved.shape[-1])  # (B*S, K)
-        param_grads = []
-        for i, (dy, w) in enumerate(zip(dys, weights)):
-            want_w, want_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
-            dw = db = None
-            if dy is not None and (want_w or want_b):
-                main_grad = main_grads[i] if want_w else None
-                dw, db = wgrad_gemm(dy, x2d, backend, bias_grad=want_b and ctx.has_bias[i], main_grad=main_grad)
-                dw = dw if want_w else None
-                _note(("wgrad", i))
-            param_grads += [dw, db]
+        param_grads = [None] * (2 * len(weights))
+        if not deferred:
+            x2d = gathering.wait().reshape(-1, saved.shape[-1]) if gathering is not None else saved
+            pairs = _weight_grads(spec, x2d, by_index=True)
+            for (i, dw), (_, db) in zip(pairs[0::2], pairs[1::2]):
+                param_grads[2 * i], param_grads[2 * i + 1] = dw, db
         dx = None
         if pending is not None:
             dx = pending.wait()
             _note("reduce waited")
         return (dx, None, *param_grads)
+
+
+def _weight_grads(spec, x2d=None, by_index: bool = False) -> list:
+    """``dA_i = dY_i^T X`` (and ``db_i``) of every layer that wants them, as
+    ``[(A_i, dA_i), (b_i, db_i), ...]`` (a deferred W's pairs), or with the layer index
+    ``i`` in place of the parameters (``by_index``: the backward returns them itself).
+    ``x2d``: X (B*S, K), gathered under sequence parallelism; gathered here if not given."""
+    group, sp, backend, saved, weights, (weights_in, biases_in), main_grads, work = spec
+    keyed = not by_index
+    if x2d is None:
+        x2d = _gather_tokens(saved, group).reshape(-1, saved.shape[-1]) if sp else saved
+    out = []
+    for i, dy, want_w, want_b in work:
+        main_grad = main_grads[i] if want_w else None
+        dw, db = wgrad_gemm(dy, x2d, backend, bias_grad=want_b, main_grad=main_grad)
+        _note(("wgrad", i))
+        out += [(weights_in[i] if keyed else i, dw if want_w else None), (biases_in[i] if keyed else i, db)]
+    return out
 
 
 def column_parallel_forward(x: torch.Tensor, layers, group, sequence_parallel: bool,

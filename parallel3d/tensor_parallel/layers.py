@@ -23,6 +23,8 @@ The GEMMs go through ``parallel3d.kernels.gemm`` (``backend``: auto, triton or t
 chosen per GEMM there). Gradient-accumulation fusion: a weight that carries an fp32
 ``main_grad`` tensor (same shape, contiguous, on its device: set by an optimizer) gets
 its weight gradient added into it by the wgrad GEMM, in fp32, and no ``.grad``.
+Every weight's backward splits into input and weight gradient for zero-bubble pipeline
+schedules (``split_backward.py``, ``parallel3d.kernels.deferred``).
 A layer built by its constructor has uninitialised weights (``torch.empty``, like any
 meta-device build): take the slices of a dense layer with ``from_dense``, or fill the
 shards with :func:`parallel3d.tensor_parallel.init.counter_normal_`.
@@ -33,31 +35,14 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from parallel3d.kernels.gemm import BACKENDS
-from parallel3d.kernels.gemm import linear as _kernel_linear
 
 from .column import SharedInput, column_parallel_forward
 from .comm import (gather_from_tp_region, group_rank, group_size, reduce_from_tp_region,
                    reduce_scatter_to_sequence, scatter_to_tp_region)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            backend: str) -> torch.Tensor:
-    """``x A^T + b`` of the row-parallel layer (``parallel3d.kernels.gemm.linear``)."""
-    main_grad = getattr(weight, "main_grad", None)
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        # What autocast does for F.linear: the GEMM runs in the autocast dtype (the casts
-        # are differentiable, so fp32 weights still get fp32 gradients).
-        dtype = torch.get_autocast_dtype(device)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-        with torch.autocast(device, enabled=False):
-            return _kernel_linear(x, weight, bias, main_grad, backend)
-    return _kernel_linear(x, weight, bias, main_grad, backend)
+from .split_backward import add_bias, embedding, linear
 
 
 def padded_size(size: int, tp: int) -> int:
@@ -245,12 +230,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)  # (B, S, in) -> (B, S, in/p)
-        y = _linear(x, self.weight, None, self.backend)  # (B, S, out), partial sum
+        y = linear(x, self.weight, None, self.backend)  # (B, S, out), partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence(y, self.group)  # (B, S/p, out)
         else:
             y = reduce_from_tp_region(y, self.group, inplace=self.reduce_in_place)  # (B, S, out)
-        return y if self.bias is None else y + self.bias
+        return y if self.bias is None else add_bias(y, self.bias)
 
     def extra_repr(self) -> str:
         start, stop = self.weight.p3d_tp_range
@@ -299,7 +284,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_stop)  # (B, S)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)
-        h = F.embedding(local, self.weight)  # (B, S, H), rows of other ranks still to zero
+        h = embedding(local, self.weight)  # (B, S, H), rows of other ranks still to zero
         h = h.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_to_sequence(h, self.group)  # (B, S/p, H)

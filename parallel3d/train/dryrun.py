@@ -215,7 +215,7 @@ def _print_split(cfg: JobConfig, split: list[int], out) -> None:
         bounds.append((first, first + n - 1))
         first += n
     for r in range(par.pp):
-        chunks = rank_chunks(r, par.pp, par.virtual_stages)
+        chunks = rank_chunks(r, par.pp, par.virtual_stages, par.schedule)
         spans = ", ".join(f"layer {lo}" if lo == hi else f"layers {lo}-{hi}"
                           for lo, hi in (bounds[c] for c in chunks))
         ranks = grid.group_ranks("dp", grid.rank_of(0, r, 0))
@@ -236,7 +236,7 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
     dtype = memory_dtype(cfg, gpu_target=gpu is not None)
     work = Workload(model_cfg, train.seq_len, train.global_batch, dtype)
     # The stage split training will use: parallel.pp_layers, else the pipeline's rule.
-    split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers)
+    split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
     planned = memory_per_stage(work, layout, split)
 
     nodes = cfg.launch.nnodes

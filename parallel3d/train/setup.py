@@ -115,19 +115,25 @@ def check_pipeline(cfg: JobConfig, n_micro: int) -> None:
     if par.schedule not in SCHEDULES:
         raise UserError(f"parallel.schedule '{par.schedule}' is unknown{did_you_mean(par.schedule, SCHEDULES)}: "
                         f"use one of {', '.join(SCHEDULES)}")
-    if par.schedule == "interleaved":
-        if par.pp < 2 or par.virtual_stages < 2:
-            raise UserError(f"parallel.schedule 'interleaved' needs parallel.pp >= 2 and "
-                            f"parallel.virtual_stages >= 2, got pp {par.pp} and virtual_stages "
-                            f"{par.virtual_stages}: raise them or use schedule '1f1b'")
-        if n_micro % par.pp:
-            raise UserError(f"the interleaved schedule needs the micro-batches per step ({n_micro} = "
-                            f"train.global_batch {cfg.train.global_batch} / (micro_batch "
-                            f"{cfg.train.micro_batch} * dp {par.dp})) to be a multiple of "
-                            f"parallel.pp {par.pp}: change train.global_batch or train.micro_batch")
+    chunks = {"interleaved": "parallel.virtual_stages >= 2", "zb-v": "parallel.virtual_stages 2"}
+    if par.schedule in ("interleaved", "zb-v"):
+        wrong = par.virtual_stages < 2 if par.schedule == "interleaved" else par.virtual_stages != 2
+        if par.pp < 2 or wrong:
+            other = "'1f1b'" if par.schedule == "interleaved" else "'zb-h1'"
+            raise UserError(f"parallel.schedule '{par.schedule}' needs parallel.pp >= 2 and "
+                            f"{chunks[par.schedule]}, got pp {par.pp} and virtual_stages "
+                            f"{par.virtual_stages}: change them or use schedule {other}")
     elif par.virtual_stages != 1:
         raise UserError(f"parallel.virtual_stages {par.virtual_stages} needs parallel.schedule "
-                        f"'interleaved' (schedule '{par.schedule}' runs one chunk per stage)")
+                        f"'interleaved' or 'zb-v' (schedule '{par.schedule}' runs one chunk per stage)")
+    if par.schedule == "zb-h1" and par.pp < 2:
+        raise UserError("parallel.schedule 'zb-h1' needs parallel.pp >= 2 (with one stage there is "
+                        "no bubble to fill): raise parallel.pp or use schedule '1f1b'")
+    if par.schedule == "interleaved" and n_micro % par.pp:
+        raise UserError(f"the interleaved schedule needs the micro-batches per step ({n_micro} = "
+                        f"train.global_batch {cfg.train.global_batch} / (micro_batch "
+                        f"{cfg.train.micro_batch} * dp {par.dp})) to be a multiple of "
+                        f"parallel.pp {par.pp}: change train.global_batch or train.micro_batch")
 
 
 def check_memory_options(cfg: JobConfig) -> None:

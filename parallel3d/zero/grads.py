@@ -11,7 +11,11 @@ issued, asynchronously, while autograd goes on with the earlier layers: an all-r
 over dp in place (stage 0, every rank keeps the whole average) or a reduce-scatter into
 this rank's shard (stage 1). So the last micro-batch's backward pass overlaps the
 gradient communication, bucket by bucket, as the first buckets fill first (buckets hold
-parameters in reverse order).
+parameters in reverse order). A parameter two of this rank's pipeline chunks use (zb-v's
+tied embedding and head, both on rank 0) gets two gradients per micro-batch and says so
+(``p3d_grads_per_micro_batch``). Zero-bubble schedules compute weight gradients in their
+W actions, after the B that computed the input gradients; the W hands them to autograd
+(``parallel3d.kernels.deferred``), so the same hooks count them there.
 
 Stage 2 never holds the full gradient. When a bucket's gradients of one backward pass are
 complete, they are packed into a transient fp32 bucket, ``.grad`` is released, and an
@@ -107,8 +111,14 @@ class GradReducer:
         self._expected: int | None = None  # backward passes this step (None: not told)
         self._inflight: list[tuple[int, _Reduction]] = []
         self._callback_queued = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                       for i, p in enumerate(params)]
+        self._per_pass = [int(getattr(p, "p3d_grads_per_micro_batch", 1)) for p in params]
+        # Autograd runs a parameter's hooks even when a node gave it no gradient (a B that
+        # deferred it to the W, a GEMM that added into main_grad); the tensor pre-hook sees
+        # whether one arrives, which an fp32 .grad (our buffer's view) cannot tell after.
+        self._arriving = [False] * len(params)
+        self._hooks = [p.register_hook(self._make_pre_hook(i)) for i, p in enumerate(params)]
+        self._hooks += [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                        for i, p in enumerate(params)]
         self.begin_step(None)
 
     def _use_main_grad(self) -> None:
@@ -212,6 +222,11 @@ class GradReducer:
             self._finish_oldest()
 
     # -- hooks ---------------------------------------------------------------------------
+    def _make_pre_hook(self, i: int):
+        def pre_hook(grad: torch.Tensor | None) -> None:
+            self._arriving[i] = grad is not None
+        return pre_hook
+
     def _make_hook(self, i: int):
         def hook(p: torch.Tensor) -> None:
             self._on_grad(i, p)
@@ -219,14 +234,15 @@ class GradReducer:
 
     @torch.no_grad()
     def _on_grad(self, i: int, p: torch.Tensor) -> None:
+        if not self._arriving[i]:
+            # no gradient came (a deferred weight gradient, or one a GEMM added into
+            # main_grad and counted through its on_accumulated)
+            return
+        self._arriving[i] = False
         if self.trace is not None:
             self.trace.append(("grad", i))
         if self.stage == 2:
             self._on_grad_stage2(i)
-            return
-        if p.grad is None:
-            # autograd runs the hook even when a node returned no gradient: a weight whose
-            # GEMM added into its main_grad (counted by its on_accumulated) gives none here
             return
         if p.dtype != torch.float32:  # a low-precision param: accumulate into the fp32 buffer
             self._full_views[i].add_(p.grad)
@@ -237,7 +253,7 @@ class GradReducer:
         """Parameter ``i`` received one backward pass's gradient (stages 0/1): once it has
         the step's last, its bucket may be complete; complete buckets are issued in order."""
         self._counts[i] += 1
-        if self._counts[i] != self._expected:
+        if self._expected is None or self._counts[i] != self._expected * self._per_pass[i]:
             return
         b, _ = self.layout.location[i]
         self._final[b] += 1
