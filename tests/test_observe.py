@@ -324,11 +324,12 @@ def test_the_step_payload_and_a_record_do_not_grow_with_the_world(pools, corpus_
     assert [t["step"] for t in table] == [2] and len(table[0]["ranks"]) == tp * pp * dp
 
 
-# (sums, maxes): norm + loss + 7 breakdown fields + bubble; max and -min of step time,
-# busy time and peak memory
-EXPECTED_PAYLOAD = (2 + len(BREAKDOWN) + 1, 6)
+# (sums, maxes): norm + loss + 7 breakdown fields + bubble + CPU of the step and of its
+# forward/backward; max and -min of step time, busy time and peak memory
+EXPECTED_PAYLOAD = (2 + len(BREAKDOWN) + 3, 6)
 _FIGURES = {k: "float" for k in BREAKDOWN} | {
-    "bubble_fraction": "float", "max_step_time_s": "float", "min_step_time_s": "float",
+    "bubble_fraction": "float", "cpu_s": "float", "cpu_fwd_bwd_s": "float",
+    "max_step_time_s": "float", "min_step_time_s": "float",
     "max_busy_s": "float", "min_busy_s": "float", "peak_mem_bytes": "int", "min_peak_mem_bytes": "int",
     "max_step_time_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
     "max_busy_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},

@@ -36,6 +36,17 @@ _REQUIRED = ("step", "loss", "tokens_per_s", "step_time_s")  # what the summary 
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
+    """The step records of ``RUN_DIR/metrics.jsonl`` (event lines, such as the autopilot's
+    decisions, are left out: :func:`load_events`)."""
+    return _load_lines(run_dir)[0]
+
+
+def load_events(run_dir: Path) -> list[dict]:
+    """The lines of ``RUN_DIR/metrics.jsonl`` that are events (``"event": ...``), in order."""
+    return _load_lines(run_dir)[1]
+
+
+def _load_lines(run_dir: Path) -> tuple[list[dict], list[dict]]:
     path = run_dir / "metrics.jsonl"
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"'{run_dir}' is a file: give the run directory of a training run (run.dir)")
@@ -46,7 +57,7 @@ def load_metrics(run_dir: Path) -> list[dict]:
                  if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path} cannot be read: {e}") from None
-    records = []
+    records, events = [], []
     for i, (n, line) in enumerate(lines):
         try:
             record = json.loads(line)
@@ -54,13 +65,16 @@ def load_metrics(run_dir: Path) -> list[dict]:
             if i == len(lines) - 1:
                 break  # the last line of a run killed while writing it
             raise UserError(f"{path} line {n} is not JSON: is this a parallel3d metrics file?") from None
+        if isinstance(record, dict) and "event" in record and "step" in record:
+            events.append(record)
+            continue
         if not isinstance(record, dict) or not all(k in record for k in _REQUIRED):
             raise UserError(f"{path} line {n} is not a parallel3d step record (needs "
                             f"{', '.join(_REQUIRED)})")
         records.append(record)
     if not records:
         raise UserError(f"{path} holds no steps yet")
-    return records
+    return records, events
 
 
 def load_job(run_dir: Path) -> dict | None:
