@@ -91,22 +91,37 @@ def _same(a: Layout, b: Layout) -> bool:
     return a == b or (a.pp == 1 and b.pp == 1 and a == Layout(**{**vars(b), "schedule": a.schedule}))
 
 
+def _option(work: Workload, layout: Layout, terms: FittedTerms, ranks_per_host: int, budget: float) -> Option:
+    stages = memory_per_stage(work, layout, gloo=terms.shared)
+    required = int(max(s.peak for s in stages) * (1 + FRAGMENTATION))
+    return Option(layout, predict(work, layout, terms, ranks_per_host), required, required <= budget)
+
+
+def _ranked(found) -> list[Option]:
+    return sorted(found, key=lambda o: (not o.fits, round(o.step_s, 6), o.required_bytes))
+
+
+def rank_layouts(work: Workload, world: int, micro_batch: int, terms: FittedTerms, ranks_per_host: int,
+                 budget_bytes: int, margin: float, valid=lambda layout: True) -> list[Option]:
+    """Every valid layout of ``world`` ranks at ``micro_batch``, fitting ones first by
+    predicted step (ties to the one needing less memory)."""
+    found = {}
+    for layout in valid_layouts(work, world, ranks_per_host, {"micro_batch": micro_batch}):
+        if layout not in found and valid(layout):
+            found[layout] = _option(work, layout, terms, ranks_per_host, budget_bytes * (1 - margin))
+    return _ranked(found.values())
+
+
 def options(work: Workload, current: Layout, terms: FittedTerms, ranks_per_host: int, budget_bytes: int,
             margin: float, valid=lambda layout: True) -> list[Option]:
     """Every candidate (the current layout among them), fitting ones first by predicted step."""
-    found = {}
-    for layout in valid_layouts(work, current.world_size, ranks_per_host, {"micro_batch": current.micro_batch}):
-        if layout in found or not valid(layout):
-            continue
-        stages = memory_per_stage(work, layout, gloo=terms.shared)
-        required = int(max(s.peak for s in stages) * (1 + FRAGMENTATION))
-        found[layout] = Option(layout, predict(work, layout, terms, ranks_per_host), required,
-                               required <= budget_bytes * (1 - margin))
-    if not any(_same(layout, current) for layout in found):  # e.g. pp_layers set by hand
-        stages = memory_per_stage(work, current, gloo=terms.shared)
-        required = int(max(s.peak for s in stages) * (1 + FRAGMENTATION))
-        found[current] = Option(current, predict(work, current, terms, ranks_per_host), required, True)
-    return sorted(found.values(), key=lambda o: (not o.fits, round(o.step_s, 6), o.required_bytes))
+    found = rank_layouts(work, current.world_size, current.micro_batch, terms, ranks_per_host, budget_bytes,
+                         margin, valid)
+    if not any(_same(o.layout, current) for o in found):  # e.g. pp_layers set by hand
+        mine = _option(work, current, terms, ranks_per_host, budget_bytes * (1 - margin))
+        mine.fits = True  # it runs
+        found = _ranked(found + [mine])
+    return found
 
 
 def _parts(option: Option, terms: FittedTerms) -> dict[str, float]:

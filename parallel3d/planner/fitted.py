@@ -19,7 +19,9 @@ where its step goes. This module predicts a layout's step from such fitted terms
              ZeRO 1 and 2), probed with the fused AdamW kernel
 ``phi``      the rest of a step outside forward and backward (data, the closing
              collective, bookkeeping), taken as the same for every layout of the world
-``util``     the share of the host's cores the job gets (CPU ranks only; see below)
+``background`` the runnable threads of other processes on a host (CPU ranks only): the
+             kernel shares the cores among runnable threads, so a job of ``n`` threads on
+             ``C`` cores gets ``min(n, C, C n / (n + background))`` of them
 ``bubble``   scale on the pipeline fill-and-drain of the critical path (1: as modelled)
 
 A rank's *work* per step is its compute, ``beta`` times its collective steps, ``psi`` times
@@ -27,7 +29,10 @@ the bytes it moves, ``adam`` times the elements it steps, and ``phi``. Two bound
 rank's work, spread over its threads, plus the pipeline's fill and drain) and, when ranks
 share CPU cores (``shared``), the host's whole work over the cores it delivers::
 
-    step = max(max_r work_r / (threads * util) + bubble,  sum_host work_r / (cores * util))
+    step = max(max_r work_r / (threads * speed) + bubble,  sum_host work_r / delivered)
+
+with ``delivered`` the cores the host's ranks get and ``speed = delivered / (their threads)``
+the share of a core each thread gets.
 
 On a host with more ranks than cores the second bound rules: a rank waiting in a
 collective or a pipeline bubble frees its core for another, so a bubble costs little and
@@ -63,11 +68,12 @@ class FittedTerms:
     psi: float
     phi: float
     adam: float = 0.0
-    util: float = 1.0
+    background: float = 0.0
     bubble: float = 1.0
     shared: bool = False  # ranks share CPU cores (the host bound applies)
     cores: int = 1  # cores of a host
     threads: int = 1  # compute threads of a rank
+    wire: float = 0.0  # seconds per byte on the link between hosts (0: one host); not fitted
 
     def describe(self) -> str:
         parts = [f"collective step {self.beta * 1e3:.3f} ms", f"{self.psi * 1e9:.3f} ns/byte",
@@ -76,14 +82,42 @@ class FittedTerms:
             parts.append(f"tp{tp}: layer {c.layer * 1e3:.2f} ms, head {c.head * 1e3:.2f} ms, "
                          f"chunk {c.base * 1e3:.2f} ms per micro-batch")
         if self.shared:
-            parts.append(f"{self.util * 100:.0f}% of {self.cores} cores")
+            parts.append(f"{self.cores} cores shared with {self.background:.1f} runnable threads of "
+                         "other processes")
         parts.append(f"pipeline waits x{self.bubble:.2f}")
         return "; ".join(parts)
 
     def to_dict(self) -> dict:
         return {"compute": {str(tp): vars(c) for tp, c in self.compute.items()}, "beta_s": self.beta,
-                "psi_s_per_byte": self.psi, "adam_s_per_element": self.adam, "phi_s": self.phi, "util": self.util, "bubble": self.bubble,
-                "shared": self.shared, "cores": self.cores, "threads": self.threads}
+                "psi_s_per_byte": self.psi, "adam_s_per_element": self.adam, "phi_s": self.phi,
+                "background": self.background, "bubble": self.bubble, "shared": self.shared, "cores": self.cores,
+                "threads": self.threads, "wire_s_per_byte": self.wire}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FittedTerms":
+        """The inverse of :meth:`to_dict` (a decision's ``terms`` in metrics.jsonl)."""
+        return cls({int(tp): ChunkCost(**c) for tp, c in d["compute"].items()}, d["beta_s"],
+                   d["psi_s_per_byte"], d["phi_s"], d.get("adam_s_per_element", 0.0), d["background"],
+                   d["bubble"], d["shared"], d["cores"], d["threads"], d.get("wire_s_per_byte", 0.0))
+
+    def with_tps(self, tps) -> "FittedTerms":
+        """These terms with a compute entry for every degree in ``tps``: one not probed is
+        scaled from the nearest probed below it by its FLOPs (layer and head over the
+        ratio of degrees; a chunk's base unchanged)."""
+        table = dict(self.compute)
+        for tp in sorted(set(tps)):
+            if tp not in table:
+                known = max((k for k in table if k < tp), default=min(table))
+                c, r = table[known], tp / known
+                table[tp] = ChunkCost(base=c.base, layer=c.layer / r, head=c.head / r)
+        return replace(self, compute=table)
+
+    def delivered(self, threads: int) -> float:
+        """Cores that ``threads`` runnable threads of the job get on one host."""
+        if not self.shared:
+            return float(threads)
+        fair = self.cores * threads / (threads + self.background)
+        return max(1e-9, min(threads, self.cores, fair))
 
 
 @dataclass
@@ -96,6 +130,7 @@ class StageWork:
     bytes: float = 0.0  # bytes moved in collectives
     opt_elements: float = 0.0  # optimizer elements stepped
     counts: dict[str, float] = field(default_factory=dict)  # steps by kind: tp, pp, dp
+    kind_bytes: dict[str, float] = field(default_factory=dict)  # bytes by kind
 
 
 def _recompute_scale(model, seq: int, recompute: str) -> float:
@@ -109,9 +144,11 @@ def _add(work: StageWork, kind: str, ops: float, group: int, nbytes: float, all_
     if group <= 1 or ops <= 0:
         return
     steps = ops * (group - 1)
+    moved = ops * nbytes * (group - 1) / group * (2 if all_reduce else 1)
     work.steps += steps
-    work.bytes += ops * nbytes * (group - 1) / group * (2 if all_reduce else 1)
+    work.bytes += moved
     work.counts[kind] = work.counts.get(kind, 0.0) + steps
+    work.kind_bytes[kind] = work.kind_bytes.get(kind, 0.0) + moved
 
 
 def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | None,
@@ -183,8 +220,17 @@ def predict(work: Workload, layout: Layout, terms: FittedTerms, ranks_per_host: 
     """The step of ``layout`` under ``terms`` (every stage has tp * dp ranks alike)."""
     stages = rank_work(work, layout, terms.compute)
     works = [stage_work_s(s, terms) for s in stages]
-    speed = max(1e-9, min(terms.threads, terms.cores) * terms.util)
+    per_host = min(ranks_per_host, layout.world_size)
+    delivered = terms.delivered(per_host * terms.threads)
+    speed = delivered / (per_host * terms.threads) * terms.threads  # cores a rank's threads get
     path = max(works) / speed
+    if terms.wire > 0 and layout.world_size > ranks_per_host:
+        # ranks are laid out tp innermost, pp outermost: a dp group leaves the host when
+        # tp * dp exceeds it, pipeline neighbours (tp * dp apart) when a host holds less
+        # than a pipeline's ranks; those bytes cross the wire on the critical path
+        crossing = [k for k, spans in (("dp", layout.tp * layout.dp > ranks_per_host),
+                                        ("pp", layout.pp > 1)) if spans]
+        path += terms.wire * max(sum(s.kind_bytes.get(k, 0.0) for k in crossing) for s in stages)
     if layout.pp > 1:  # fill and drain: (pp - 1) / v slots of the slowest stage
         m = layout.n_micro(work)
         path += terms.bubble * (layout.pp - 1) / layout.virtual_stages * max(works) / speed / m
@@ -192,14 +238,9 @@ def predict(work: Workload, layout: Layout, terms: FittedTerms, ranks_per_host: 
     if terms.shared:
         # a host holds ranks_per_host ranks; stages alternate over hosts (pp outermost), so
         # a host's mix is the mean over stages when it holds several, else its own stage
-        per_host = min(ranks_per_host, layout.world_size)
         stage_ranks = layout.tp * layout.dp
-        if per_host >= stage_ranks:
-            mean = sum(works) / len(works)
-        else:
-            mean = max(works)
-        capacity = max(1e-9, min(per_host * terms.threads, terms.cores) * terms.util)
-        host = per_host * mean / capacity
+        mean = sum(works) / len(works) if per_host >= stage_ranks else max(works)
+        host = per_host * mean / delivered
     return Prediction(step_s=max(path, host), path_s=path, host_s=host, stages=stages)
 
 
@@ -226,8 +267,8 @@ def fit_terms(work: Workload, measured: Measured, compute: dict[int, ChunkCost],
     Shared host (CPU): ``beta`` is the CPU time inside forward and backward (where the
     collectives' work lands, gloo's threads included) that compute and bytes do not
     explain, per collective step (the prior when the layout has none); ``phi`` the CPU
-    time outside them less the optimizer's; ``util`` the cores the job got (its ranks' CPU
-    seconds over the step). Dedicated devices: the busiest rank's busy time gives
+    time outside them less the optimizer's; ``background`` from the cores the job got (its
+    ranks' CPU seconds over the step). Dedicated devices: the busiest rank's busy time gives
     ``beta`` the same way and the measured waits give ``bubble``."""
     layout = measured.layout
     stages = rank_work(work, layout, compute)
@@ -239,9 +280,10 @@ def fit_terms(work: Workload, measured: Measured, compute: dict[int, ChunkCost],
         beta = max(0.0, unexplained / steps) if steps > 0 else beta_prior
         phi = max(0.0, measured.cpu_s - measured.cpu_fwd_bwd_s - adam * mean(lambda s: s.opt_elements))
         per_host = min(ranks_per_host, layout.world_size)
-        capacity = min(per_host * threads, cores)
-        util = per_host * measured.cpu_s / measured.step_s / capacity
-        return FittedTerms(compute, beta, psi, phi, adam, util=min(1.0, max(1e-3, util)), shared=True,
+        n = per_host * threads
+        got = per_host * measured.cpu_s / measured.step_s
+        background = n * (cores - got) / got if got < min(n, cores) * 0.999 else 0.0
+        return FittedTerms(compute, beta, psi, phi, adam, background=max(0.0, background), shared=True,
                            cores=cores, threads=threads)
     slow = max(stages, key=lambda s: s.compute_s)
     phi = 0.0

@@ -148,17 +148,16 @@ class Pilot:
 
     def _diagnosis(self, trainer, measured) -> dict:
         """Where a prediction missed: the CPU per rank and step it predicted against the
-        measured one, and the share of the cores the job got before and now (CPU ranks)."""
+        measured one, and the cores the job got before the move and after (CPU ranks)."""
         terms = self.decision.terms
         if not terms.shared:
             return {}
         chosen = next(o for o in self.decision.options if o.layout == self.decision.target)
         stages = chosen.prediction.stages
-        local = ranks_per_host(trainer.topo.world_size)
-        capacity = min(local * terms.threads, terms.cores)
+        local = min(ranks_per_host(trainer.topo.world_size), trainer.topo.world_size)
         return {"predicted_cpu_s": sum(stage_work_s(s, terms) for s in stages) / len(stages),
-                "measured_cpu_s": measured.cpu_s, "util_before": terms.util,
-                "util_now": local * measured.cpu_s / measured.step_s / capacity}
+                "measured_cpu_s": measured.cpu_s, "cores_before": terms.delivered(local * terms.threads),
+                "cores_now": local * measured.cpu_s / measured.step_s}
 
     def _move(self, trainer, layout: Layout, what: str):
         new, seconds = move(trainer, layout, self.make_trainer)
