@@ -195,6 +195,7 @@ class AutopilotConfig:
     memory_margin: float = 0.1  # a layout must fit in this much less than the memory budget
     tolerance: float = 0.15  # the prediction's stated error: beyond it after a move, move back
     memory_gib: float = 0.0  # memory budget of a rank; 0: the GPU's, or the host's / local ranks
+    move_cost_s: float = 0.0  # what a move costs (save, regroup, reload); 0: the first build's time
     act: bool = True  # false: measure, fit and log the decision, never move
 
 

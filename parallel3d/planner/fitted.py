@@ -175,15 +175,17 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
             first, last, layers = c == 0, c == layout.chunks - 1, split[c]
             if cost is not None:
                 w.compute_s += m * (cost.base + layers * scale * cost.layer + (cost.head if last else 0.0))
-            per_layer = (8, act / tp) if sp else (4, act)
-            _add(w, "tp", m * layers * per_layer[0], tp, per_layer[1], all_reduce=not sp)
+            # under sequence parallelism each gather / reduce-scatter moves (g-1)/g of the
+            # full activation, twice as many of them as the all-reduces (2 (g-1)/g) without
+            _add(w, "tp", m * layers * (8 if sp else 4), tp, act, all_reduce=not sp)
             if first:
-                _add(w, "tp", m * (2 if sp else 1), tp, act / (tp if sp else 1), all_reduce=not sp)
-            if last:
-                _add(w, "tp", m * 2, tp, 8.0 * layout.micro_batch * seq, all_reduce=True)
-                _add(w, "tp", m * (2 if sp else 1), tp, act / (tp if sp else 1), all_reduce=not sp)
+                _add(w, "tp", m * (2 if sp else 1), tp, act, all_reduce=not sp)
+            if last:  # the loss: the row maxima, then the sums of exponentials and target logits
+                _add(w, "tp", m, tp, 4.0 * layout.micro_batch * seq, all_reduce=True)
+                _add(w, "tp", m, tp, 8.0 * layout.micro_batch * seq, all_reduce=True)
+                _add(w, "tp", m * (2 if sp else 1), tp, act, all_reduce=not sp)
             boundaries = (not first) + (not last)
-            _add(w, "pp", m * 2 * boundaries, 2, act / (tp if sp else 1) * 2)
+            _add(w, "pp", m * 2 * boundaries, 2, act / (tp if sp else 1) * 2)  # a send moves it whole
         n_params = stage_params(model, layout, r, split)[0]
         w.opt_elements = n_params / (layout.dp if layout.zero >= 1 else 1)
         grad_bytes = 4 * n_params

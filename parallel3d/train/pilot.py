@@ -103,7 +103,7 @@ class Pilot:
         steps_left = trainer.cfg.train.steps - trainer.step
         return decide(work, measured, terms, ranks_per_host=local, budget_bytes=budget,
                       margin=self.ap.memory_margin, min_gain=self.ap.min_gain, steps_left=steps_left,
-                      switch_cost_s=self.build_s, valid=self._valid(trainer))
+                      switch_cost_s=self.ap.move_cost_s or self.build_s, valid=self._valid(trainer))
 
     def _say(self, trainer, event: dict, line: str) -> None:
         trainer.log_event(event)
@@ -130,7 +130,14 @@ class Pilot:
             self.decision = decision
             self.phase = "verify"
             return self._move(trainer, decision.target, "move")
-        # verify: the new layout against its prediction
+        # verify: the new layout against its prediction (rank 0's verdict: step times are
+        # each rank's own, and ranks that disagreed on moving back would hang)
+        event = _share(trainer, self._verdict(trainer, measured))
+        self._say(trainer, event, f"step {trainer.step}: {event['action']}: {event['reason']}")
+        self.phase = "done"
+        return self._move(trainer, self.before[0], "move back") if event["action"] == "move back" else trainer
+
+    def _verdict(self, trainer, measured) -> dict:
         error = measured.step_s / self.predicted_s - 1
         back = error > self.ap.tolerance
         old_layout, old_step = self.before
@@ -142,9 +149,7 @@ class Pilot:
         event["reason"] = (f"measured {measured.step_s * 1e3:.0f} ms against {self.predicted_s * 1e3:.0f} ms "
                            f"predicted ({error:+.0%}; stated error {self.ap.tolerance:.0%}); before the move "
                            f"{old_step * 1e3:.0f} ms")
-        self._say(trainer, event, f"step {trainer.step}: {event['action']}: {event['reason']}")
-        self.phase = "done"
-        return self._move(trainer, old_layout, "move back") if back else trainer
+        return event
 
     def _diagnosis(self, trainer, measured) -> dict:
         """Where a prediction missed: the CPU per rank and step it predicted against the

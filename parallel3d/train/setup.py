@@ -85,9 +85,10 @@ def check_autopilot(cfg: JobConfig) -> None:
         value = getattr(ap, name)
         if not 0 <= value < 1:
             raise UserError(f"autopilot.{name} is a share in [0, 1), got {value}")
-    if ap.tolerance <= 0 or ap.memory_gib < 0:
-        raise UserError(f"autopilot.tolerance must be > 0 and autopilot.memory_gib >= 0 (0: the device's), "
-                        f"got {ap.tolerance} and {ap.memory_gib}")
+    if ap.tolerance <= 0 or ap.memory_gib < 0 or ap.move_cost_s < 0:
+        raise UserError(f"autopilot.tolerance must be > 0, autopilot.memory_gib and autopilot.move_cost_s >= 0 "
+                        f"(0: the device's memory, the estimated cost), got {ap.tolerance}, {ap.memory_gib} "
+                        f"and {ap.move_cost_s}")
 
 
 def check_data_source(cfg: JobConfig) -> None:
