@@ -120,3 +120,24 @@ def test_a_job_at_its_best_layout_does_not_move(pools, corpus_dir, tmp_path):
     (event,) = _events(tmp_path / "run")
     assert event["action"] == "stay" and event["from"] == event["to"], event
     assert len(losses) == STEPS
+
+
+def test_the_report_shows_the_move_and_the_decisions():
+    from parallel3d.observe.report import build_figure, summary
+
+    records = [{"step": s, "loss": 5.0 - s / 100, "tokens_per_s": 1000.0 if s <= 25 else 2000.0,
+                "step_time_s": 2.0 if s <= 25 else 1.0} for s in range(1, 61)]
+    events = [{"step": 25, "event": "autopilot", "action": "move", "from": "tp2 pp2 dp2", "to": "tp1 pp1 dp8",
+               "measured_step_s": 2.0, "predicted_current_s": 2.0, "predicted_step_s": 0.9,
+               "reason": "predicted 55% faster"},
+              {"step": 25, "event": "autopilot", "action": "move done", "to": "tp1 pp1 dp8", "move_s": 1.0},
+              {"step": 50, "event": "autopilot", "action": "confirmed", "reason": "measured 1000 ms against 900"}]
+    fig = build_figure(records, None, "run", (), events)
+    loss, throughput, breakdown = fig.axes[0], fig.axes[1], fig.axes[2]
+    for ax in (loss, throughput, breakdown):  # a vertical line at the step of the move
+        assert any(list(line.get_xdata()) == [25, 25] for line in ax.get_lines()), ax.get_title()
+    assert any("tp1 pp1 dp8" in t.get_text() for t in loss.texts)
+    assert "since step 25 (moved by the autopilot)" not in fig._suptitle.get_text()  # no job: no layout line
+    text = summary(records, events)
+    assert "autopilot, step 25: move tp2 pp2 dp2 (2000 ms measured) -> tp1 pp1 dp8 (900 ms predicted)" in text
+    assert "autopilot, step 50: confirmed: measured 1000 ms against 900" in text
