@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "scaling":
             from parallel3d.scaling.command import run_scaling
 
-            return run_scaling(args, rest)
+            return run_scaling(args, rest, default_recipe())
         if args.command == "prepare-data":
             if rest:
                 raise UserError(f"unexpected argument(s) for prepare-data: {' '.join(rest)}")

@@ -131,3 +131,31 @@ def test_a_layout_that_does_not_fit_is_never_chosen():
     assert over and all(not o.fits and o.why.startswith("does not fit") for o in over)
     # the zero-0 layouts are faster by the model: they lost on memory alone
     assert min(o.step_s for o in over) < chosen.step_s
+
+
+def test_calibrating_from_a_moved_run_counts_the_steps_after_its_last_move(tmp_path):
+    import json
+
+    from parallel3d.planner.calibrate import read_metrics
+
+    lines = [{"step": s, "tokens_per_s": 100.0} for s in range(1, 26)]
+    lines.append({"step": 25, "event": "autopilot", "action": "move done", "to": "tp1 pp1 dp8"})
+    lines += [{"step": s, "tokens_per_s": 200.0 + s} for s in range(26, 41)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (tmp_path / "config.json").write_text("{}")
+    _, rate = read_metrics(tmp_path)
+    # steps 27-40 (the first counted step left out): 227 ... 240, median (233 + 234) / 2
+    assert rate == 233.5
+
+
+def test_a_move_is_judged_at_the_load_the_machine_has_now():
+    from parallel3d.autopilot.decide import judge_move
+
+    # predicted 300 ms with 1.6 cores; the machine got busier (1.2 cores): 400 ms is the
+    # prediction at that load, 390 ms measured is within it
+    back, error, raw = judge_move(0.300, 0.390, 0.15, cores_before=1.6, cores_now=1.2)
+    assert not back and error == pytest.approx(0.390 / 0.400 - 1) and raw == pytest.approx(0.3)
+    # the same step with the cores unchanged: 30% slower than predicted, back it goes
+    assert judge_move(0.300, 0.390, 0.15, cores_before=1.6, cores_now=1.6)[0]
+    # dedicated devices: no load to scale by
+    assert judge_move(0.300, 0.390, 0.15) == (True, pytest.approx(0.3), pytest.approx(0.3))

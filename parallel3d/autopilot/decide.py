@@ -177,3 +177,16 @@ def decide(work: Workload, measured: Measured, terms: FittedTerms, *, ranks_per_
     explain(ranked, target, terms, budget_bytes, margin)
     return Decision(action, reason, current, target.layout, measured.step_s, mine.step_s, target.step_s,
                     1 - target.step_s / measured.step_s, switch_cost_s, steps_left, terms, ranked)
+
+
+def judge_move(predicted_s: float, measured_s: float, tolerance: float, cores_before: float | None = None,
+               cores_now: float | None = None) -> tuple[bool, float, float]:
+    """(move back?, error at the load now, raw error) of a move whose new layout was
+    predicted at ``predicted_s`` and measures ``measured_s``. With the cores a shared host
+    gave the job before the move and gives it now, the prediction is scaled to the load
+    now (a step is the ranks' work over those cores): a busier machine is not the
+    layout's doing."""
+    raw = measured_s / predicted_s - 1
+    at_load = predicted_s * (cores_before / cores_now if cores_before and cores_now else 1.0)
+    error = measured_s / at_load - 1
+    return error > tolerance, error, raw

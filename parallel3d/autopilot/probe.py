@@ -81,39 +81,59 @@ def _runner(model_cfg, tp: int, layers: int, head: bool, micro_batch: int, seq_l
     return once
 
 
+class ComputeProbe:
+    """The compute probe, one round at a time: :meth:`round` runs every configuration once
+    (the first round warms up and is not counted), :meth:`result` turns the rounds so far
+    into the table (collective over ``group``).
+
+    Every rank runs every configuration, interleaved, so that a burst of load elsewhere on
+    the machine falls on all of them alike; the autopilot runs a round between chunks of
+    its measured steps, so that the probe samples the conditions the measurement saw.
+    The median over rounds counts (a training step is measured by medians too: the
+    minimum would leave out the interference training sees), averaged over the ranks."""
+
+    def __init__(self, model_cfg, tps: list[int], micro_batch: int, seq_len: int, device: torch.device,
+                 dtype: torch.dtype = torch.float32):
+        self.tps = sorted(set(tps))
+        self.jobs = [(tp, name, layers, head) for tp in self.tps for name, layers, head in CONFIGS]
+        self.runs = [_runner(model_cfg, tp, layers, head, micro_batch, seq_len, device, dtype)
+                     for tp, _, layers, head in self.jobs]
+        self.device = device
+        self.mark, self.seconds = _clock(device)
+        self.samples: list[list[float]] = [[] for _ in self.jobs]
+        self.rounds = 0
+
+    def round(self) -> None:
+        for i, run in enumerate(self.runs):
+            a = self.mark()
+            run()
+            if self.rounds:  # round 0 warms up (allocations, first-call dispatch)
+                self.samples[i].append(self.seconds(a, self.mark()))
+        self.rounds += 1
+
+    def result(self, group=None) -> dict[int, ChunkCost]:
+        medians = torch.tensor([statistics.median(x) for x in self.samples], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            moved = medians.to(self.device)  # NCCL takes device tensors
+            dist.all_reduce(moved, group=group)
+            medians = moved.cpu() / dist.get_world_size(group)
+        times = {(tp, name): float(medians[i]) for i, (tp, name, _, _) in enumerate(self.jobs)}
+        out = {}
+        for tp in self.tps:
+            a, b, c = times[(tp, "A")], times[(tp, "B")], times[(tp, "C")]
+            layer = max(0.0, b - a)
+            out[tp] = ChunkCost(base=max(0.0, c - layer), layer=layer, head=max(0.0, a - c))
+        return out
+
+
 def probe_compute(model_cfg, tps: list[int], micro_batch: int, seq_len: int, device: torch.device,
                   dtype: torch.dtype = torch.float32, rounds: int = 4, group=None) -> dict[int, ChunkCost]:
-    """:class:`ChunkCost` per tensor-parallel degree in ``tps``; collective over ``group``
-    (the world) when torch.distributed is up.
-
-    Every rank runs every configuration once per round, the configurations interleaved so
-    that a burst of load elsewhere on the machine falls on all of them alike; after one
-    round of warm-up, the median over ``rounds`` rounds counts (a training step is
-    measured by medians too: the minimum would leave out the interference training
-    sees), averaged over the ranks."""
-    jobs = [(tp, name, layers, head) for tp in sorted(set(tps)) for name, layers, head in CONFIGS]
-    runs = [_runner(model_cfg, tp, layers, head, micro_batch, seq_len, device, dtype)
-            for tp, _, layers, head in jobs]
-    mark, seconds = _clock(device)
-    samples: list[list[float]] = [[] for _ in jobs]
-    for r in range(rounds + 1):
-        for i, run in enumerate(runs):
-            a = mark()
-            run()
-            if r:  # round 0 warms up (allocations, first-call dispatch)
-                samples[i].append(seconds(a, mark()))
-    medians = torch.tensor([statistics.median(x) for x in samples], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        moved = medians.to(device)  # NCCL takes device tensors
-        dist.all_reduce(moved, group=group)
-        medians = moved.cpu() / dist.get_world_size(group)
-    times = {(tp, name): float(medians[i]) for i, (tp, name, _, _) in enumerate(jobs)}
-    out = {}
-    for tp in sorted(set(tps)):
-        a, b, c = times[(tp, "A")], times[(tp, "B")], times[(tp, "C")]
-        layer = max(0.0, b - a)
-        out[tp] = ChunkCost(base=max(0.0, c - layer), layer=layer, head=max(0.0, a - c))
-    return out
+    """:class:`ChunkCost` per tensor-parallel degree in ``tps``, ``rounds`` rounds at once
+    (after one of warm-up); collective over ``group`` when torch.distributed is up."""
+    probe = ComputeProbe(model_cfg, tps, micro_batch, seq_len, device, dtype)
+    for _ in range(rounds + 1):
+        probe.round()
+    return probe.result(group)
 
 
 def probe_collective_seconds_per_byte(device: torch.device, group=None, nbytes: int = 4 * 2**20,

@@ -39,9 +39,8 @@ def parse_ranks(text: str) -> list[int]:
     return ranks
 
 
-def run_scaling(args: argparse.Namespace, overrides: list[str]) -> int:
+def run_scaling(args: argparse.Namespace, overrides: list[str], default_recipe: str) -> int:
     from parallel3d.autopilot.decide import with_layout
-    from parallel3d.cli import default_recipe
     from parallel3d.config import load_config
     from parallel3d.model_config import resolve_model_config
     from parallel3d.scaling.curve import extend, flattens_at, table
@@ -49,7 +48,7 @@ def run_scaling(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.scaling.sweep import batch_at, sweep
     from parallel3d.train.setup import check_job
 
-    recipe = args.recipe or default_recipe()
+    recipe = args.recipe or default_recipe
     ranks = parse_ranks(args.ranks)
     if not args.inter_gbit > 0:
         raise UserError(f"--inter-gbit must be positive, got {args.inter_gbit}")

@@ -32,7 +32,7 @@ from parallel3d.errors import UserError
 from parallel3d.planner.fitted import FittedTerms
 from parallel3d.planner.spec import Layout, Workload
 
-SKIP, MEASURE = 4, 12  # steps of warm-up and of measurement at each size
+SKIP, MEASURE = 5, 20  # steps of warm-up and of measurement at each size
 BREAKDOWN = {"forward + backward": ("forward_s", "backward_s"), "optimizer + other": ("optimizer_s", "other_s"),
              "exposed comm": ("comm_exposed_s",), "bubble": ("bubble_s",), "data": ("data_wait_s",)}
 

@@ -3,11 +3,13 @@
 The run goes in phases, each ``autopilot.skip_steps`` steps of warm-up then
 ``autopilot.measure_steps`` steps measured (medians of the complete step records)::
 
-    measure   -> fit the terms (compute probe + the measured step), rank the layouts,
-                 stay (done) or move (regroup.move) and verify
-    verify    -> the new layout measured against its prediction: within
-                 ``autopilot.tolerance`` the move is confirmed; slower than that, the run
-                 moves back to the old layout, once, and says so
+    measure   -> fit the terms (the compute probe, whose rounds run between chunks of the
+                 measured steps, + the measured step), rank the layouts, stay (done) or
+                 move (regroup.move) and verify
+    verify    -> the new layout measured against its prediction (on a shared CPU host,
+                 at the load measured now): within ``autopilot.tolerance`` the move is
+                 confirmed; slower than that, the run moves back to the old layout,
+                 once, and says so
     done      -> the rest of the steps
 
 Every rank probes (a collective) and measures; rank 0 decides and broadcasts, so every
@@ -22,10 +24,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel3d.autopilot.decide import Decision, decide
+from parallel3d.autopilot.decide import Decision, decide, judge_move, with_layout
 from parallel3d.autopilot.measure import host_cores, measure, ranks_per_host
-from parallel3d.autopilot.probe import (probe_adam_seconds_per_element, probe_collective_seconds_per_byte,
-                                        probe_compute)
+from parallel3d.autopilot.probe import (ComputeProbe, probe_adam_seconds_per_element,
+                                        probe_collective_seconds_per_byte)
 from parallel3d.errors import UserError
 from parallel3d.planner.fitted import fit_terms, stage_work_s
 from parallel3d.planner.hardware import RUNTIME_RESERVE_BYTES
@@ -35,6 +37,7 @@ from parallel3d.train.regroup import move
 from parallel3d.train.setup import check_job
 
 BETA_PRIOR_S = {"cpu": 5e-4, "cuda": 2e-5}  # a collective step before any was measured
+PROBE_ROUNDS = 4  # compute probe rounds counted, spread over the measured steps
 
 
 def workload(trainer) -> Workload:
@@ -75,8 +78,6 @@ class Pilot:
         self.decision: Decision | None = None
 
     def _valid(self, trainer):
-        from parallel3d.autopilot.decide import with_layout
-
         def valid(layout: Layout) -> bool:
             try:
                 check_job(with_layout(trainer.cfg, layout), trainer.model_cfg, trainer.topo.world_size)
@@ -85,15 +86,21 @@ class Pilot:
             return True
         return valid
 
-    def _fit_and_decide(self, trainer, measured) -> Decision:
+    def probe(self, trainer) -> ComputeProbe | None:
+        """The compute probe of this phase (None when no decision is to be made)."""
+        if self.phase != "measure":
+            return None
+        world, work = trainer.topo.world_size, workload(trainer)
+        mb = trainer.cfg.train.micro_batch
+        tps = sorted({layout.tp for layout in valid_layouts(work, world, ranks_per_host(world), {"micro_batch": mb})})
+        return ComputeProbe(trainer.model_cfg, tps or [1], mb, work.seq_len, trainer.device, trainer.dtype)
+
+    def _fit_and_decide(self, trainer, measured, probe: ComputeProbe) -> Decision:
         device, world = trainer.device, trainer.topo.world_size
         local = ranks_per_host(world)
         work = workload(trainer)
-        tps = sorted({layout.tp for layout in valid_layouts(work, world, local,
-                                                            {"micro_batch": measured.layout.micro_batch})})
         group = trainer.topo.world_group
-        compute = probe_compute(trainer.model_cfg, tps, measured.layout.micro_batch, work.seq_len, device,
-                                trainer.dtype, group=group)
+        compute = probe.result(group)
         psi = probe_collective_seconds_per_byte(device, group)
         adam = probe_adam_seconds_per_element(device)
         terms = fit_terms(work, measured, compute, shared=device.type == "cpu", cores=host_cores(),
@@ -110,11 +117,11 @@ class Pilot:
         if trainer.topo.rank == 0:
             print(f"autopilot: {line}", flush=True)
 
-    def step(self, trainer, window: list[dict]):
+    def step(self, trainer, window: list[dict], probe: ComputeProbe | None = None):
         """Act on a finished measurement window; returns the trainer to go on with."""
         measured = measure(window, Layout.from_config(trainer.cfg))
         if self.phase == "measure":
-            decision = self._fit_and_decide(trainer, measured)
+            decision = self._fit_and_decide(trainer, measured, probe)
             decision = _share(trainer, decision)
             act = decision.action == "move" and self.ap.act
             event = decision.event(trainer.step)
@@ -138,17 +145,27 @@ class Pilot:
         return self._move(trainer, self.before[0], "move back") if event["action"] == "move back" else trainer
 
     def _verdict(self, trainer, measured) -> dict:
-        error = measured.step_s / self.predicted_s - 1
-        back = error > self.ap.tolerance
+        """Confirm the move, or move back: the new layout's measured step against its
+        prediction. On a shared CPU host the prediction is taken at the load the job runs
+        under now (scaled by the cores it got before the move over those it gets now): the
+        other jobs on the machine are not the layout's doing, and judged on raw step times a
+        busier machine would send every move back. The raw error is reported too."""
+        diagnosis = self._diagnosis(trainer, measured)
+        back, error, raw = judge_move(self.predicted_s, measured.step_s, self.ap.tolerance,
+                                      diagnosis.get("cores_before"), diagnosis.get("cores_now"))
+        at_load = measured.step_s / (1 + error)
         old_layout, old_step = self.before
         event = {"step": trainer.step, "event": "autopilot", "action": "move back" if back else "confirmed",
                  "from": measured.layout.describe(), "to": (old_layout if back else measured.layout).describe(),
                  "measured_step_s": measured.step_s, "predicted_step_s": self.predicted_s,
-                 "prediction_error": error, "tolerance": self.ap.tolerance, "before_step_s": old_step,
-                 "gain": 1 - measured.step_s / old_step, **self._diagnosis(trainer, measured)}
+                 "prediction_error": raw, "predicted_at_load_s": at_load, "error_at_load": error,
+                 "tolerance": self.ap.tolerance, "before_step_s": old_step,
+                 "gain": 1 - measured.step_s / old_step, **diagnosis}
+        load = (f"; at the load now ({diagnosis['cores_now']:.2f} cores against {diagnosis['cores_before']:.2f}) "
+                f"{at_load * 1e3:.0f} ms, {error:+.0%}" if diagnosis else "")
         event["reason"] = (f"measured {measured.step_s * 1e3:.0f} ms against {self.predicted_s * 1e3:.0f} ms "
-                           f"predicted ({error:+.0%}; stated error {self.ap.tolerance:.0%}); before the move "
-                           f"{old_step * 1e3:.0f} ms")
+                           f"predicted ({raw:+.0%}{load}; stated error {self.ap.tolerance:.0%}); before the "
+                           f"move {old_step * 1e3:.0f} ms")
         return event
 
     def _diagnosis(self, trainer, measured) -> dict:
@@ -184,13 +201,26 @@ def fit_with_autopilot(trainer, make_trainer, build_s: float) -> list[dict]:
         end = start + ap.skip_steps + ap.measure_steps
         if end >= steps:
             break
-        history += trainer.run_steps(end)
+        history += trainer.run_steps(start + ap.skip_steps)
+        probe = pilot.probe(trainer)
+        for chunk_end in _chunks(start + ap.skip_steps, end, PROBE_ROUNDS):
+            if probe is not None:  # a round between chunks: the probe sees the window's load
+                probe.round()
+            history += trainer.run_steps(chunk_end)
+        if probe is not None:
+            probe.round()
         trainer.flush_records()  # the window's last record completes (collective)
         window = [r for r in history if start + ap.skip_steps < r["step"] <= end]
-        trainer = pilot.step(trainer, window)
+        trainer = pilot.step(trainer, window, probe)
     history += trainer.run_steps(steps)
     trainer.close()
     return history
+
+
+def _chunks(start: int, end: int, n: int) -> list[int]:
+    """The ends of ``n`` chunks of the steps ``start + 1 .. end`` (fewer if fewer steps)."""
+    n = max(1, min(n, end - start))
+    return sorted({start + round((end - start) * (i + 1) / n) for i in range(n)})
 
 
 def timed_trainer(build):
