@@ -69,7 +69,7 @@ def test_fit_inverts_a_measurement_worked_by_hand():
     measured = Measured(layout, step_s=68 * MS, cpu_s=17 * MS, cpu_fwd_bwd_s=15 * MS, busy_max_s=0.0,
                         comm_exposed_s=0.0, bubble_s=0.0, steps=20)
     got = fit_terms(WORK, measured, COMPUTE, shared=True, cores=2, threads=1, ranks_per_host=4, psi=0.0,
-                    adam=0.0, beta_prior=0.5 * MS)
+                    adam=0.0, beta_prior=2 * MS)  # its 3 steps: 6 ms at the prior, a visible share: fitted
     assert got.beta == pytest.approx(1 * MS) and got.phi == pytest.approx(2 * MS)
     assert got.background == pytest.approx(4.0)
     # and tp 2 x dp 2 from it: compute 2 x (1 + 5 + 2) = 16 ms, 46 steps (above) = 46 ms,
@@ -159,3 +159,15 @@ def test_a_move_is_judged_at_the_load_the_machine_has_now():
     assert judge_move(0.300, 0.390, 0.15, cores_before=1.6, cores_now=1.6)[0]
     # dedicated devices: no load to scale by
     assert judge_move(0.300, 0.390, 0.15) == (True, pytest.approx(0.3), pytest.approx(0.3))
+
+
+def test_a_layout_with_few_collectives_keeps_the_prior_collective_cost():
+    # dp 4 at ZeRO 0: one all-reduce, 3 steps; at a 0.4 ms prior that is 1.2 ms of 15 ms
+    # of forward/backward CPU, under the 10% a fit needs: whatever compute leaves over
+    # (here 3 ms) is not taken as the collectives' cost
+    layout = Layout(tp=1, pp=1, dp=4, micro_batch=2, zero=0)
+    measured = Measured(layout, step_s=68 * MS, cpu_s=17 * MS, cpu_fwd_bwd_s=15 * MS, busy_max_s=0.0,
+                        comm_exposed_s=0.0, bubble_s=0.0, steps=20)
+    got = fit_terms(WORK, measured, COMPUTE, shared=True, cores=2, threads=1, ranks_per_host=4, psi=0.0,
+                    adam=0.0, beta_prior=0.4 * MS)
+    assert got.beta == 0.4 * MS

@@ -52,6 +52,9 @@ from parallel3d.planner.memory import BUCKET_BYTES, stage_params
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
 
 
+VISIBLE = 0.1  # share of forward/backward the collectives must take for their cost to be fitted
+
+
 @dataclass(frozen=True)
 class ChunkCost:
     """Seconds of one micro-batch (forward and backward) through a chunk at one tp degree."""
@@ -268,7 +271,9 @@ def fit_terms(work: Workload, measured: Measured, compute: dict[int, ChunkCost],
 
     Shared host (CPU): ``beta`` is the CPU time inside forward and backward (where the
     collectives' work lands, gloo's threads included) that compute and bytes do not
-    explain, per collective step (the prior when the layout has none); ``phi`` the CPU
+    explain, per collective step; when the layout's collectives would take less than
+    :data:`VISIBLE` of that time at ``beta_prior``, what is left over is mostly the
+    compute probe's own error, and the prior stands; ``phi`` the CPU
     time outside them less the optimizer's; ``background`` from the cores the job got (its
     ranks' CPU seconds over the step). Dedicated devices: the busiest rank's busy time gives
     ``beta`` the same way and the measured waits give ``bubble``."""
@@ -279,7 +284,8 @@ def fit_terms(work: Workload, measured: Measured, compute: dict[int, ChunkCost],
     if shared:
         unexplained = measured.cpu_fwd_bwd_s - mean(lambda s: s.compute_s) - psi * mean(lambda s: s.bytes)
         steps = mean(lambda s: s.steps)
-        beta = max(0.0, unexplained / steps) if steps > 0 else beta_prior
+        visible = beta_prior * steps >= VISIBLE * measured.cpu_fwd_bwd_s
+        beta = max(0.0, unexplained / steps) if visible else beta_prior
         phi = max(0.0, measured.cpu_s - measured.cpu_fwd_bwd_s - adam * mean(lambda s: s.opt_elements))
         per_host = min(ranks_per_host, layout.world_size)
         n = per_host * threads
@@ -290,7 +296,8 @@ def fit_terms(work: Workload, measured: Measured, compute: dict[int, ChunkCost],
     slow = max(stages, key=lambda s: s.compute_s)
     phi = 0.0
     unexplained = measured.busy_max_s - slow.compute_s - psi * slow.bytes - adam * slow.opt_elements
-    beta = max(0.0, unexplained / slow.steps) if slow.steps > 0 else beta_prior
+    visible = beta_prior * slow.steps >= VISIBLE * measured.busy_max_s
+    beta = max(0.0, unexplained / slow.steps) if visible else beta_prior
     terms = FittedTerms(compute, beta, psi, phi, adam, shared=False, cores=cores, threads=1)
     bubble = 1.0
     if layout.pp > 1:

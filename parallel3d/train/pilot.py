@@ -202,19 +202,28 @@ def fit_with_autopilot(trainer, make_trainer, build_s: float) -> list[dict]:
         if end >= steps:
             break
         history += trainer.run_steps(start + ap.skip_steps)
-        probe = pilot.probe(trainer)
+        probe, after_probe = pilot.probe(trainer), set()
         for chunk_end in _chunks(start + ap.skip_steps, end, PROBE_ROUNDS):
             if probe is not None:  # a round between chunks: the probe sees the window's load
                 probe.round()
+                _together(trainer)  # or the next step would time the slowest rank's probe
+                if chunk_end - trainer.step > 1:  # its first step left out: the probe evicted caches
+                    after_probe.add(trainer.step + 1)
             history += trainer.run_steps(chunk_end)
         if probe is not None:
             probe.round()
         trainer.flush_records()  # the window's last record completes (collective)
-        window = [r for r in history if start + ap.skip_steps < r["step"] <= end]
+        window = [r for r in history if start + ap.skip_steps < r["step"] <= end and r["step"] not in after_probe]
         trainer = pilot.step(trainer, window, probe)
     history += trainer.run_steps(steps)
     trainer.close()
     return history
+
+
+def _together(trainer) -> None:
+    """Every rank here before the next step starts (over the checkpointer's gloo group)."""
+    if trainer.checkpointer.group is not None:
+        dist.barrier(group=trainer.checkpointer.group)
 
 
 def _chunks(start: int, end: int, n: int) -> list[int]:
