@@ -16,7 +16,8 @@ give the median), each a child process whose peak resident set size (``ru_maxrss
 
 The claims checked: convert's time is at most 1.5x the naive one's (the median over the
 repeats of each convert / naive pair run back to back; ``cpu`` is the same ratio of
-user + system CPU seconds, which a loaded machine disturbs less), and its peak RSS at
+user + system CPU seconds, which a loaded machine disturbs less; each row ends with the
+load averages after its runs), and its peak RSS at
 most ``import + max(memory budget, largest tensor) + 256 MiB`` (the read-ahead budget,
 ``--memory-gb``, bounds the tensors in flight; one larger tensor goes alone; the margin is
 the allocator's and the files' buffers). The measuring parent imports neither torch nor
@@ -103,9 +104,10 @@ def main() -> None:
     py = sys.executable
     budget = float(args.memory_gb) * 2**30
     _, base, _ = measure([py, "-c", "import torch, parallel3d.checkpoint.convert"])
-    print(f"import only: peak RSS {base / 2**20:.0f} MiB; read-ahead budget {budget / 2**20:.0f} MiB", flush=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {_load()}, {args.repeats} repeats; "
+          f"import only: peak RSS {base / 2**20:.0f} MiB; read-ahead budget {budget / 2**20:.0f} MiB", flush=True)
     print(f"{'format':16} {'GB':>5} {'largest':>8} | {'convert s':>9} {'MiB':>6} | {'naive s':>8} {'MiB':>6} | "
-          f"{'ratio':>5} {'cpu':>5} | {'peer':>16} {'s':>6} {'MiB':>6} | memory bound", flush=True)
+          f"{'ratio':>5} {'cpu':>5} | {'peer':>16} {'s':>6} {'MiB':>6} | memory bound | load", flush=True)
     failed = []
     try:
         for fmt in args.formats.split(","):
@@ -113,6 +115,7 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {_load()}", flush=True)
     if failed:
         raise SystemExit(f"claims not met: {failed}")
 
@@ -157,12 +160,17 @@ def run_format(fmt: str, work: Path, py: str, args, base: int, budget: float) ->
         ok = c_m <= bound
         print(f"{fmt + ' -> ' + to:16} {size / 1e9:5.2f} {largest / 2**20:6.0f}Mi | {c_s:9.1f} {c_m / 2**20:6.0f} | "
               f"{n_s:8.1f} {n_m / 2**20:6.0f} | {ratio:5.2f} {cpu:5.2f} | {p} | "
-              f"{bound / 2**20:.0f} MiB {'within' if ok else 'EXCEEDED'}", flush=True)
+              f"{bound / 2**20:.0f} MiB {'within' if ok else 'EXCEEDED'} | {_load()}", flush=True)
         if ratio > 1.5:
             failed.append(f"{fmt}->{to} time {ratio:.2f}x naive")
         if not ok:
             failed.append(f"{fmt}->{to} peak {c_m / 2**20:.0f} MiB")
     return failed
+
+
+def _load() -> str:
+    """The 1 / 5 / 15-minute load averages (other processes share the machine)."""
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _largest(fmt: str) -> int:

@@ -88,44 +88,48 @@ def predicted_stage_peaks(parallel: dict) -> list[int]:
     return [s.peak for s in memory_per_stage(work, Layout.from_config(cfg), gloo=True)]
 
 
-class _InitSource:
-    """The model's counter-initialised weights (what the trainer's seeded init gives),
-    one full tensor at a time, as a ``write_hf_folder`` source (``model/<name>``)."""
-
-    def __init__(self, cfg, seed: int):
-        import torch
-
-        from parallel3d.models.llama import Llama
-
-        self.cfg, self.seed = cfg, seed
-        with torch.device("meta"):
-            self.shapes = {f"model/{n}": tuple(p.shape) for n, p in Llama(cfg).named_parameters()}
-
-    def names(self):
-        return list(self.shapes)
-
-    def spec(self, name):
-        import torch
-        return self.shapes[name], torch.float32
-
-    def read(self, name):
-        import torch
-
-        from parallel3d.models.llama.sharded_init import init_parameter_
-
-        return init_parameter_(torch.empty(self.shapes[name]), name[len("model/"):], self.cfg, self.seed)
-
-
-def write_hf_model(folder: Path) -> None:
+def write_hf_model(folder: Path, shard_bytes: int = 512 * 2**20) -> None:
+    """The model's counter-initialised weights (what the trainer's seeded init gives) as a
+    Hugging Face folder: generated one full tensor at a time and written in safetensors
+    shards of at most ``shard_bytes`` (this setup process holds one shard, not the model)."""
     if (folder / "config.json").exists():
         return
-    from parallel3d.checkpoint.hf import write_hf_folder
+    import torch
+    from safetensors.torch import save_file
+
     from parallel3d.config import config_from_dict
-    from parallel3d.models.llama.hf import config_to_hf
+    from parallel3d.models.llama import Llama
+    from parallel3d.models.llama.hf import config_to_hf, name_to_hf
+    from parallel3d.models.llama.sharded_init import init_parameter_
     from parallel3d.train.setup import resolve_model_config
 
     cfg = resolve_model_config(config_from_dict({"model": MODEL}).model)
-    write_hf_folder(folder, _InitSource(cfg, TRAIN["seed"]), cfg, hf_config=config_to_hf(cfg))
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in Llama(cfg).named_parameters()}
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    weight_map, shard, size, files = {}, {}, 0, []
+
+    def flush():
+        nonlocal shard, size
+        if shard:
+            files.append(f"model-{len(files) + 1:05d}.safetensors")
+            save_file(shard, str(tmp / files[-1]), metadata={"format": "pt"})
+            weight_map.update({key: files[-1] for key in shard})
+            shard, size = {}, 0
+
+    for name, shape in shapes.items():
+        tensor = init_parameter_(torch.empty(shape), name, cfg, TRAIN["seed"])
+        if size and size + tensor.nbytes > shard_bytes:
+            flush()
+        shard[name_to_hf(name)] = tensor
+        size += tensor.nbytes
+    flush()
+    total = sum(4 * math.prod(s) for s in shapes.values())
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2))
+    tmp.rename(folder)
 
 
 def _largest(model: dict) -> int:

@@ -74,3 +74,18 @@ def write_llama31_8b_config(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(LLAMA31_8B))
     return folder
+
+
+def stall_rank_at(trainer, stall_rank: int, stall_step: int, stall_s: float) -> None:
+    """Make rank ``stall_rank`` of ``trainer`` sleep ``stall_s`` seconds at the start of
+    step ``stall_step`` (before its forward): the others wait in their collectives."""
+    import time
+
+    run = trainer.schedule.run
+
+    def stalling(micro_batches, **kw):
+        if trainer.topo.rank == stall_rank and trainer.step + 1 == stall_step:
+            time.sleep(stall_s)
+        return run(micro_batches, **kw)
+
+    trainer.schedule.run = stalling

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 from parallel3d.config import config_from_dict
+import parallel3d.zero  # noqa: F401  (the project itself: a broken import fails, never skips)
 
 from helpers import relative_diff, tiny_job
 
 pytest.importorskip("deepspeed")
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("parallel3d.zero", reason="needs ZeRO")
 
 SAVE_AT, STEPS = 3, 5
 SLOW = 900

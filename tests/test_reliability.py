@@ -21,7 +21,7 @@ from parallel3d.testing import ProcessGroupPool
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import tiny_job
+from helpers import stall_rank_at, tiny_job
 
 
 # -- non-finite gradients -------------------------------------------------------------------
@@ -108,14 +108,7 @@ def _stalled_run(job: dict, stall_rank: int, stall_step: int, stall_s: float):
     topo = Topology(1, 2, 2, timeout_s=rel.comm_timeout_s)
     watch = CommWatch.for_process_group(topo, rel.comm_timeout_s, rel.heartbeat_s)
     trainer = Trainer(cfg, topo, watch=watch)
-    run = trainer.schedule.run
-
-    def stalling(micro_batches, **kw):
-        if topo.rank == stall_rank and trainer.step + 1 == stall_step:
-            time.sleep(stall_s)
-        return run(micro_batches, **kw)
-
-    trainer.schedule.run = stalling
+    stall_rank_at(trainer, stall_rank, stall_step, stall_s)
     t0 = time.monotonic()
     try:
         with comm_failures_reported(watch):

@@ -101,3 +101,16 @@ def test_the_module_map_names_each_existing_file_once():
     assert len(lines) == len(set(lines)), [line for line in lines if lines.count(line) > 1]
     for name in rows:
         assert (ROOT / name.rstrip("/")).exists(), name
+
+
+def test_no_test_skips_when_the_project_itself_fails_to_import():
+    """A broken import of parallel3d must fail its tests, not skip them: importorskip is
+    for optional third-party packages only."""
+    found = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "importorskip"
+                    and node.args and isinstance(node.args[0], ast.Constant)
+                    and str(node.args[0].value).split(".")[0] == "parallel3d"):
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found

@@ -14,7 +14,7 @@ from parallel3d.testing import DistributedTestError, ProcessGroupPool
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import tiny_job
+from helpers import stall_rank_at, tiny_job
 
 
 def _stuck_run(job: dict, stall_rank: int, stall_step: int, stall_s: float) -> None:
@@ -27,14 +27,7 @@ def _stuck_run(job: dict, stall_rank: int, stall_step: int, stall_s: float) -> N
                                         watchdog=True, dump_dir=cfg.run.dir)
     watch.exit_on_stall = False  # the test reads every rank's report, then ends the pool
     trainer = Trainer(cfg, topo, watch=watch)
-    run = trainer.schedule.run
-
-    def stalling(micro_batches, **kw):
-        if topo.rank == stall_rank and trainer.step + 1 == stall_step:
-            time.sleep(stall_s)
-        return run(micro_batches, **kw)
-
-    trainer.schedule.run = stalling
+    stall_rank_at(trainer, stall_rank, stall_step, stall_s)
     while trainer.step < cfg.train.steps:
         trainer.train_step()
 

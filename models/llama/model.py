@@ -2,8 +2,10 @@
 
 RMSNorm, rotary position embeddings (configurable theta, the "rotate half" layout used by
 Hugging Face), grouped-query attention through ``F.scaled_dot_product_attention`` (flash
-kernels on GPU for one causal sequence; packed documents pass a block-diagonal boolean
-mask, which SDPA runs with its memory-efficient kernel), a SwiGLU MLP, tied or untied
+kernels on GPU for one causal sequence; packed documents either go through torch's
+variable-length flash kernel, ``torch.nn.attention.varlen``, when the caller gives their
+spans and the device runs it, or pass a block-diagonal boolean mask to SDPA, which runs
+it with its memory-efficient kernel on GPU and its math kernel on CPU), a SwiGLU MLP, tied or untied
 embeddings; Qwen3's q/k norms, attention biases and a head width other than dim / heads.
 
 This file imports nothing from parallel3d: ``parallelize.py`` beside it swaps in
@@ -28,6 +30,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+try:  # torch >= 2.9: flash attention over variable-length sequences (CUDA only)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch: packed documents take the mask path
+    _varlen_attn = None
 
 
 @dataclass(frozen=True)
@@ -210,6 +217,24 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
     return (same & causal).unsqueeze(1)
 
 
+def varlen_runs_on(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether torch's variable-length flash kernel takes ``x``: CUDA, fp16 / bf16, an
+    Ampere or newer GPU, a head width of at most 256 (flash attention's limits)."""
+    return (_varlen_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+            and head_dim <= 256 and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_len: int, gqa: bool) -> torch.Tensor:
+    """Causal attention inside each document of the flattened tokens: q (T, h, hd), k and
+    v (T, kvh, hd), document d spans tokens ``cu_seqlens[d] .. cu_seqlens[d+1]-1`` (int32,
+    (N+1,), on q's device), ``max_len`` the longest (a host int: no device read). Returns
+    (T, h, hd). The same attention as :func:`document_mask`'s on the (B, S) window, without
+    the (B, S, S) mask and the masked-out products."""
+    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len,
+                        window_size=(-1, 0), enable_gqa=gqa)  # (-1, 0): causal
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -224,8 +249,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``mask`` (B, 1, S, S) bool: attend where True (packed documents); None: causal."""
+                mask: torch.Tensor | tuple | None = None) -> torch.Tensor:
+        """``mask``: None, one causal sequence per row; (B, 1, S, S) bool, attend where True
+        (packed documents); or ``(cu_seqlens, max_len)``, the documents' spans over the
+        B*S flattened tokens (:func:`varlen_attention`)."""
         B, S, _ = x.shape
         hd = self.head_dim
         # Head counts come from the projection widths: under tensor parallelism these are
@@ -238,6 +265,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
+        if isinstance(mask, tuple):
+            flat = [t.transpose(1, 2).reshape(B * S, t.shape[1], hd) for t in (q, k, v)]  # (B*S, h, hd)
+            out = varlen_attention(*flat, *mask, gqa)
+            return self.o_proj(out.reshape(B, S, -1))
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
@@ -289,7 +320,7 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | tuple | None = None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -304,7 +335,10 @@ class Llama(nn.Module):
     documents in one window: the rotation restarts at each document (a token at position
     0 starts one) and attention stays inside it (:func:`document_mask`). None: one causal
     sequence at positions 0 .. S-1. Positions cover the whole sequence, also under
-    sequence parallelism (attention sees all S positions there).
+    sequence parallelism (attention sees all S positions there). ``cu_seqlens`` and
+    ``max_doc_len``, the same documents as spans of the B*S flattened tokens (the data
+    loader computes them on the host), let a GPU that runs torch's variable-length flash
+    kernel use it instead of the mask (:func:`varlen_runs_on`).
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -342,14 +376,18 @@ class Llama(nn.Module):
     def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                cu_seqlens: torch.Tensor | None = None, max_doc_len: int | None = None) -> torch.Tensor:
         h = self.embed_tokens(x) if self.embed_tokens is not None else x  # (B, S, dim)
         cos, sin = self.rope(h.shape[1] * self.sequence_shards, h.device)
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)  # (S, hd)
         mask = None
         if positions is not None:
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, S, hd)
-            mask = document_mask(positions)
+            if cu_seqlens is not None and varlen_runs_on(h, self.cfg.head_dim):
+                mask = (cu_seqlens, max_doc_len)
+            else:
+                mask = document_mask(positions)
         for layer in self.layers.values():
             h = layer(h, cos, sin, mask)
         if self.norm is not None:

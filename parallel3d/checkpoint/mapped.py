@@ -22,6 +22,7 @@ from . import zerocopy
 from .errors import CheckpointError
 from .format import intersect
 from .source import Source
+from .zerocopy import Tiles
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,35 @@ class MappedSource(Source):
             raise CheckpointError(f"{self.folder}: {name} region {list(offsets)}+{list(shape)} is "
                                   "not covered by the checkpoint's tensors")
         return out
+
+    def read_tiles(self, name: str) -> Tiles | None:
+        """Zero-copy conversion (:mod:`.zerocopy`): the tensor as its raw blocks, when they
+        tile it along one dim in order (tp shards, fused qkv's row groups, gate / up halves),
+        each a contiguous view of its file where the store can give one; None otherwise."""
+        full, dtype = self.spec(name)
+        parts = self.mappings[name].parts
+        if not zerocopy.enabled() or len(parts) < 2 or not all(isinstance(b, Block) for b in parts):
+            return None
+        split = {d for b in parts for d, (s, f) in enumerate(zip(b.shape, full)) if s != f}
+        if len(split) != 1:
+            return None
+        dim = split.pop()
+        at, views = 0, []
+        for b in sorted(parts, key=lambda b: b.out[dim]):
+            if b.out[dim] != at or any(o for d, o in enumerate(b.out) if d != dim):
+                break
+            lead = len(b.src) - len(b.shape)
+            got = self.store.read_region(b.key, b.src, (1,) * lead + b.shape)
+            views.append(got.reshape(b.shape))
+            at += b.shape[dim]
+            if got.dtype != dtype or not views[-1].is_contiguous():
+                break
+        else:
+            if at == full[dim]:
+                return Tiles(dim, views, full, dtype)
+        for v in views:
+            zerocopy.release(v)
+        return None
 
     def _permuted(self, p: Permuted, offsets, shape) -> torch.Tensor:
         rows_total, cols = p.shape[0], p.shape[1:]

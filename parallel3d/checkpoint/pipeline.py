@@ -1,16 +1,19 @@
 """The conversion pipeline: tensors read ahead by a thread pool, written in order, hashed as
 written, within a memory budget.
 
-Reading (``pread`` of safetensors boxes, DeepSpeed partitions, DCP chunks), casting,
-writing and sha256 all release the GIL on large buffers, so ``threads`` readers fetch the
-next tensors while the writer writes and hashes the current one. A tensor is submitted only
+Reading (read-only mappings of the source files, prefetched with ``madvise``, see
+:mod:`.zerocopy`; ``pread`` where a tensor must be gathered), casting, writing and hashing
+all release the GIL on large buffers, so ``threads`` readers fetch the next tensors while
+the writer writes the current one and a helper thread hashes it. Tensor-parallel pieces
+come as :class:`~parallel3d.checkpoint.zerocopy.Tiles` and are written in place, never
+concatenated. A tensor is submitted only
 while the bytes in flight (read and not yet written, counting a cast's second copy) stay
 within ``budget`` bytes; one tensor is always allowed, so a tensor larger than the budget
 goes through alone. Peak memory is therefore about ``max(budget, largest tensor (x2 when
 cast))`` plus the writer's one buffer, whatever the checkpoint's size.
 
-Each output file is written by a writer with ``write(key, tensor)`` and ``close() ->
-(size, sha256)``: the digest of the bytes as they went to the file, so a reader can check
+Each output file is written by a writer with ``write(key, tensor)`` (and, optionally,
+``write_tiles(key, tiles)``) and ``close() -> (size, digest)``: the digest of the bytes as they went to the file, so a reader can check
 the file later without this process reading anything back.
 """
 
@@ -76,18 +79,22 @@ def return_freed_memory() -> None:
 
 def read_ahead(source, items: list[Item], budget: int = DEFAULT_BUDGET, threads: int = DEFAULT_THREADS):
     """Yield ``(item, tensor)`` in the order of ``items``, reading ahead within ``budget``.
-    ``tensor`` may be a list of row blocks (a source's ``read_rows``: tensor-parallel
-    pieces split along dim 0, written one after the other without assembling them)."""
+    ``tensor`` may be :class:`~parallel3d.checkpoint.zerocopy.Tiles` (a source's
+    ``read_tiles``: tensor-parallel pieces, written where they go without assembling them).
+    Zero-copy views are prefetched (read into the page cache) here, on the reader threads."""
     return_freed_memory()
-    read_rows = getattr(source, "read_rows", None)
+    read_tiles = getattr(source, "read_tiles", None)
 
     def load(item: Item):
-        if read_rows is not None and item.dtype == item.src_dtype:
-            parts = read_rows(item.name)  # views of row blocks: nothing copied
-            if parts is not None:
-                return parts
+        if read_tiles is not None and item.dtype == item.src_dtype:
+            tiles = read_tiles(item.name)  # views of the pieces: nothing copied
+            if tiles is not None:
+                for part in tiles.parts:
+                    zerocopy.prefetch(part)
+                return tiles
         t = source.read(item.name)
         if t.dtype == item.dtype:
+            zerocopy.prefetch(t)
             return t
         cast = t.to(item.dtype)
         zerocopy.release(t)
@@ -117,36 +124,49 @@ def read_ahead(source, items: list[Item], budget: int = DEFAULT_BUDGET, threads:
 
 def write_files(stream, files: list[tuple[str, list[Item]]], open_writer, progress=None) -> dict:
     """Consume ``stream`` (from :func:`read_ahead`, in the order of ``files``' items) into
-    ``open_writer(file, items)``; returns ``{file: {"size", "digest"}}``."""
-    records = {}
+    ``open_writer(file, items)``; returns ``{file: {"size", "digest"}}``. A finished file is
+    closed (fsynced) on a thread while the next one is written; all are closed on return."""
+    closing: dict = {}
     it = iter(stream)
-    for file, members in files:
-        writer = open_writer(file, members)
-        try:
-            for want in members:
-                item, tensor = next(it)
-                assert item is want, (item.name, want.name)
-                if isinstance(tensor, list):
-                    if hasattr(writer, "write_rows"):
-                        writer.write_rows(item.key, tensor)
-                    else:
-                        writer.write(item.key, torch.cat(tensor))
-                    for part in tensor:
-                        zerocopy.release(part)
-                else:
-                    writer.write(item.key, tensor)
-                    zerocopy.release(tensor)  # a view of a source file: its pages go
-                if progress is not None:
-                    progress(item.nbytes)
-                del tensor
-        except BaseException:
-            abort = getattr(writer, "abort", None)
-            if abort is not None:
-                abort()
-            raise
-        size, sha = writer.close()
-        records[file] = {"size": size, "digest": sha}
+    with ThreadPoolExecutor(1, thread_name_prefix="p3d-close") as closer:  # waits for every close
+        for file, members in files:
+            writer = open_writer(file, members)
+            try:
+                for want in members:
+                    item, tensor = next(it)
+                    assert item is want, (item.name, want.name)
+                    _write_one(writer, item, tensor)
+                    if progress is not None:
+                        progress(item.nbytes)
+                    del tensor
+            except BaseException:
+                abort = getattr(writer, "abort", None)
+                if abort is not None:
+                    abort()
+                raise
+            closing[file] = closer.submit(writer.close)
+    records = {}
+    for file, fut in closing.items():
+        size, digest = fut.result()  # raises the close's error (a failed fsync)
+        records[file] = {"size": size, "digest": digest}
     return records
+
+
+def _write_one(writer, item: Item, tensor) -> None:
+    """Write one tensor; a view's pages are dropped once the writer is done with them
+    (``then``: by the writer's hashing thread, once it has hashed them)."""
+    parts = tensor.parts if isinstance(tensor, zerocopy.Tiles) else [tensor]
+
+    def release() -> None:
+        for part in parts:
+            zerocopy.release(part)
+
+    if not isinstance(tensor, zerocopy.Tiles):
+        writer.write(item.key, tensor, then=release)
+    elif hasattr(writer, "write_tiles"):
+        writer.write_tiles(item.key, tensor, then=release)
+    else:
+        writer.write(item.key, tensor.assemble(), then=release)
 
 
 class Progress:

@@ -20,6 +20,7 @@ from .errors import CheckpointError, read_json_object
 from .format import INDEX, LATEST, Index, TensorEntry, check_file_name, intersect
 from .safetensors_io import SafetensorsFile, file_sha256
 from .source import block_flat
+from .zerocopy import Tiles
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
@@ -211,25 +212,32 @@ class CheckpointReader:
                                   "(a rank's file is missing from the index?)")
         return out
 
-    def read_rows(self, name: str) -> list[torch.Tensor] | None:
-        """Zero-copy conversion (:mod:`.zerocopy`): the tensor as row blocks, in order, whose
-        bytes concatenated are the tensor's (pieces split along dim 0 only: a column-parallel
-        weight, a vocabulary-parallel embedding); None when pieces split another dim."""
+    def read_tiles(self, name: str) -> Tiles | None:
+        """Zero-copy conversion (:mod:`.zerocopy`): the tensor as its pieces, when they tile
+        it along one dim (a column-parallel weight or a vocabulary-parallel embedding by rows,
+        a row-parallel one by columns), each piece read whole (a view of its file); None
+        otherwise (flat ZeRO pieces, a split along two dims, one piece)."""
         e = self.entry(name)
-        if not zerocopy.enabled() or not e.shape or len(e.pieces) < 2:
+        if not zerocopy.enabled() or not e.shape or len(e.pieces) < 2 or any(p.flat is not None for p in e.pieces):
             return None
-        pieces = sorted(e.pieces, key=lambda p: p.offsets[0])
+        split = {d for p in e.pieces for d, (b, s) in enumerate(zip(p.block, e.shape)) if b != s}
+        if len(split) != 1:
+            return None
+        dim = split.pop()
         at, parts = 0, []
-        for p in pieces:
-            if p.flat is not None or any(p.offsets[1:]) or tuple(p.block[1:]) != tuple(e.shape[1:]) \
-                    or p.offsets[0] != at:
+        for p in sorted(e.pieces, key=lambda p: p.offsets[dim]):
+            if p.offsets[dim] != at or any(o for d, o in enumerate(p.offsets) if d != dim) or at >= e.shape[dim]:
                 for t in parts:
                     zerocopy.release(t)
                 return None
-            rows = min(p.block[0], e.shape[0] - at)
-            parts.append(self._file(p.file).read_box(p.key, (0,) * len(e.shape), (rows,) + e.shape[1:]))
-            at += rows
-        return parts if at == e.shape[0] else None
+            box = tuple(min(b, s - at) if d == dim else s for d, (b, s) in enumerate(zip(p.block, e.shape)))
+            parts.append(self._file(p.file).read_box(p.key, (0,) * len(e.shape), box))
+            at += box[dim]
+        if at != e.shape[dim]:
+            for t in parts:
+                zerocopy.release(t)
+            return None
+        return Tiles(dim, parts, e.shape, e.dtype)
 
     def read_block_flat(self, name: str, block_offsets, block_shape, lo: int, hi: int) -> torch.Tensor:
         """Elements ``[lo, hi)`` of the row-major flattened block ``[block_offsets,

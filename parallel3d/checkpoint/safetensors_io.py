@@ -24,13 +24,14 @@ import json
 import math
 import os
 import struct
-import zlib
 from pathlib import Path
 
 import torch
 
 from . import zerocopy
 from .errors import CheckpointError
+from .hashed_file import HashedFile
+from .zerocopy import Tiles
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -50,74 +51,6 @@ def dtype_code(dtype: torch.dtype) -> str:
     if dtype not in CODES:
         raise CheckpointError(f"dtype {dtype} cannot be stored in safetensors")
     return CODES[dtype]
-
-
-def _raw_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes in row-major order, without a copy when it is contiguous on CPU."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-_PARALLEL_HASH = 1 << 20  # bytes from which a buffer is hashed while it is being written
-
-
-class _Crc32:
-    """zlib's CRC-32 behind hashlib's interface (4x cheaper than sha256 here: a checksum
-    against corruption, where nothing needs a cryptographic digest)."""
-
-    def __init__(self):
-        self.value = 0
-
-    def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-class HashedFile:
-    """A binary file that hashes (``sha256``, or ``crc32``) and counts what is written to
-    it. A large buffer is hashed on a helper thread while this thread writes it (both
-    release the GIL), so the hash costs no time beside the write when a core is free."""
-
-    def __init__(self, path: str | Path, algorithm: str = "sha256"):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.path = Path(path)
-        self._file = open(self.path, "wb")
-        self._hash = hashlib.sha256() if algorithm == "sha256" else _Crc32()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="p3d-hash")
-        self.size = 0
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        if view.nbytes >= _PARALLEL_HASH:
-            hashed = self._pool.submit(self._hash.update, view)
-            self._file.write(view)
-            hashed.result()
-        else:
-            self._file.write(view)
-            self._hash.update(view)
-        self.size += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self._file.flush()
-
-    def close(self) -> tuple[int, str]:
-        """Flush and fsync; returns (size, sha256 hex digest)."""
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._pool.shutdown()
-        return self.size, self._hash.hexdigest()
-
-    def abort(self) -> None:
-        self._file.close()
-        self._pool.shutdown()
 
 
 class StreamingWriter:
@@ -157,28 +90,24 @@ class StreamingWriter:
         self._file.write(struct.pack("<Q", len(text)))
         self._file.write(text)
 
-    def write(self, key: str, tensor: torch.Tensor) -> None:
+    def write(self, key: str, tensor: torch.Tensor, then=None) -> None:
+        """Write tensor ``key`` (the next in ``specs``); ``then``: see :meth:`HashedFile.write_tensor`."""
         if self._next >= len(self._order):
             raise ValueError(f"{self.path.name}: unexpected tensor {key!r}, all were written")
         want_key, dtype, shape, nbytes = self._order[self._next]
         if key != want_key or tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise ValueError(f"{self.path.name}: expected {want_key} {dtype} {shape}, got "
                              f"{key} {tensor.dtype} {tuple(tensor.shape)}")
-        data = _raw_bytes(tensor)
-        assert data.nbytes == nbytes
-        self._file.write(data)
+        self._file.write_tensor(tensor, then=then)
         self._next += 1
 
-    def write_rows(self, key: str, parts: list[torch.Tensor]) -> None:
-        """Write tensor ``key`` given as row blocks whose concatenation along dim 0 is it."""
-        want_key, dtype, shape, nbytes = self._order[self._next] if self._next < len(self._order) else (None,) * 4
-        rows = sum(p.shape[0] for p in parts)
-        if key != want_key or any(p.dtype != dtype or tuple(p.shape[1:]) != shape[1:] for p in parts) \
-                or (rows,) + tuple(shape[1:]) != shape:
-            raise ValueError(f"{self.path.name}: expected {want_key} {dtype} {shape}, got {key} as "
-                             f"{[tuple(p.shape) for p in parts]}")
-        for p in parts:
-            self._file.write(_raw_bytes(p))
+    def write_tiles(self, key: str, tiles: Tiles, then=None) -> None:
+        """Write tensor ``key`` given as blocks along one dim (see :class:`Tiles`)."""
+        want_key, dtype, shape, _ = self._order[self._next] if self._next < len(self._order) else (None,) * 4
+        if key != want_key or tiles.dtype != dtype or tuple(tiles.shape) != shape:
+            raise ValueError(f"{self.path.name}: expected {want_key} {dtype} {shape}, got {key} "
+                             f"{tiles.dtype} as {[tuple(p.shape) for p in tiles.parts]}")
+        self._file.write_tiles(tiles, then=then)
         self._next += 1
 
     def close(self) -> tuple[int, str]:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from parallel3d.data.batch import IGNORE_INDEX, MicroBatch
+from parallel3d.data.batch import IGNORE_INDEX, MicroBatch, document_spans
 from parallel3d.errors import UserError
 
 PACKINGS = ("auto", "concat", "documents", "whole")
@@ -119,5 +119,7 @@ class PackedWindows:
     def micro_batch(self, indices: list[int], loss_divisor: float | None) -> MicroBatch:
         ids, targets, positions = zip(*(self.sample(i) for i in indices))
         x = torch.from_numpy(np.stack(ids)[:, :-1].copy())
-        pos = None if positions[0] is None else torch.from_numpy(np.stack(positions))
-        return MicroBatch(x, torch.from_numpy(np.stack(targets)), pos, loss_divisor)
+        if positions[0] is None:
+            return MicroBatch(x, torch.from_numpy(np.stack(targets)), None, loss_divisor)
+        pos = torch.from_numpy(np.stack(positions))
+        return MicroBatch(x, torch.from_numpy(np.stack(targets)), pos, loss_divisor, *document_spans(pos))

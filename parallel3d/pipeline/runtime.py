@@ -42,8 +42,7 @@ def _parts(mb) -> tuple[torch.Tensor, torch.Tensor, dict, float | None]:
     """(inputs, targets, keyword arguments of every chunk, loss divisor) of a micro-batch."""
     if isinstance(mb, (tuple, list)):
         return mb[0], mb[1], {}, None
-    side = {} if mb.positions is None else {"positions": mb.positions}
-    return mb.inputs, mb.targets, side, mb.loss_divisor
+    return mb.inputs, mb.targets, mb.chunk_kwargs(), mb.loss_divisor
 
 
 def _micro_batch_loss(loss_fn, out, targets, divisor: float | None, n_micro: int) -> torch.Tensor:
@@ -182,7 +181,7 @@ class PipelineSchedule:
         last = a.chunk == self.n_chunks - 1
         with self.timeline.span(f"F{a.chunk}.{a.mb}", "forward", chunk=a.chunk, mb=a.mb):
             with self.autocast():
-                out = self.chunks[a.chunk](x, **side)  # side: positions, for every chunk
+                out = self.chunks[a.chunk](x, **side)  # side: positions (and spans), for every chunk
             if last:
                 # The mean over micro-batches, as the unsplit model: each loss / m (or,
                 # masked, each sum / the global batch's supervised tokens over dp).
