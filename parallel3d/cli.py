@@ -3,6 +3,7 @@
     parallel3d train [RECIPE] [--dry-run [--gpu NAME | --gpu-spec K=V,...]] [--section.key=value ...]
     parallel3d report RUN_DIR
     parallel3d plan --model PRESET_OR_HF_CONFIG --gpus N (--gpu NAME | --gpu-spec K=V,...) [...]
+    parallel3d scaling [RECIPE] --ranks 1,2,4,8 [--weak] [--section.key=value ...]
     parallel3d convert SRC DST --to {hf,parallel3d,dcp} [--config CONFIG.json] [--dtype D]
     parallel3d prepare-data INPUTS... --tokenizer DIR --out DIR [options]
 
@@ -203,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="plot a run's metrics.jsonl to RUN_DIR/report.png and summarise it")
     report.add_argument("run_dir", help="the run directory (run.dir of the recipe)")
     add_plan_parser(sub)
+    from parallel3d.scaling.command import add_scaling_parser
+
+    add_scaling_parser(sub)
     conv = sub.add_parser(
         "convert", help="convert a checkpoint (Hugging Face, parallel3d, DeepSpeed ZeRO 0-3, torch DCP, "
                         "Megatron-Core) to hf, parallel3d or dcp",
@@ -248,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             from parallel3d.planner.cli import run_plan
 
             return run_plan(args)
+        if args.command == "scaling":
+            from parallel3d.scaling.command import run_scaling
+
+            return run_scaling(args, rest, default_recipe())
         if args.command == "prepare-data":
             if rest:
                 raise UserError(f"unexpected argument(s) for prepare-data: {' '.join(rest)}")

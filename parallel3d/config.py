@@ -95,6 +95,9 @@ class TrainConfig:
     # activation recomputation: none; full (each transformer layer re-run in backward);
     # selective (keep the matmul outputs, recompute attention and element-wise ops)
     recompute: str = "none"
+    # Measure the job, fit the planner's terms to it and move it to a layout predicted
+    # faster, inside the running processes ([autopilot], parallel3d/autopilot).
+    autopilot: bool = False
 
 
 @dataclass
@@ -180,6 +183,25 @@ class ReliabilityConfig:
 
 
 @dataclass
+class AutopilotConfig:
+    """``train.autopilot = true``: after ``skip_steps + measure_steps`` steps the job fits
+    the planner's terms to its own measured steps, ranks every layout of the same world,
+    global batch and micro-batch that fits, and moves when one is predicted faster by more
+    than ``min_gain`` and the remaining steps pay for the move; after a move it measures
+    again and moves back once when the new layout is slower than predicted by more than
+    ``tolerance``. Decisions go to metrics.jsonl (``"event": "autopilot"``)."""
+
+    measure_steps: int = 20  # steps whose medians make a measurement
+    skip_steps: int = 5  # steps left out before each measurement (start-up, after a move)
+    min_gain: float = 0.1  # move only for a predicted step time lower by more than this share
+    memory_margin: float = 0.1  # a layout must fit in this much less than the memory budget
+    tolerance: float = 0.15  # the prediction's stated error: beyond it after a move, move back
+    memory_gib: float = 0.0  # memory budget of a rank; 0: the GPU's, or the host's / local ranks
+    move_cost_s: float = 0.0  # what a move costs (save, regroup, reload); 0: the first build's time
+    act: bool = True  # false: measure, fit and log the decision, never move
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -191,6 +213,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -103,6 +103,31 @@ def test_two_torchrun_agents_train_as_two_nodes(layout, reference, prepared_dir,
     _check_losses(run, reference)
 
 
+def test_the_autopilot_moves_a_job_of_two_torchrun_agents(prepared_dir, tmp_path):
+    """Two agents of 2 workers each (two nodes here) start at tp 2 x dp 2; the autopilot
+    regroups the same 4 processes into a faster layout (no relaunch: torchrun restarts
+    nothing) and the 10 steps keep the losses of one process."""
+    steps = 10
+    job = tiny_job_on(prepared_dir, str(tmp_path / "run"), parallel={"tp": 2, "pp": 1, "dp": 2},
+                      train={"steps": steps, "autopilot": True}, launch={"threads_per_proc": 1},
+                      autopilot={"skip_steps": 1, "measure_steps": 3, "move_cost_s": 1e-3})
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"p3d-{port}",
+           "--max-restarts", "0", "-m", "parallel3d.cli", "train", *job_args(job)]
+    _run_all([cmd, cmd], [tmp_path / "node0.log", tmp_path / "node1.log"], timeout=240)
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    moves = [r for r in lines if r.get("action") == "move"]
+    assert moves and moves[0]["from"].startswith("tp2 pp1 dp2") and moves[0]["to"].startswith("tp1"), moves
+    assert "resuming from" in (tmp_path / "node0.log").read_text()  # in the same processes
+    one = dict(job, parallel={"tp": 1, "pp": 1, "dp": 1}, train={**job["train"], "autopilot": False},
+               run={"dir": str(tmp_path / "one")})
+    want = [r["loss"] for r in Trainer(config_from_dict(one), Topology(1, 1, 1), log=False).fit()]
+    got = [r["loss"] for r in lines if "event" not in r]
+    # fp32 reassociation across layouts (see _check_losses)
+    assert relative_diff(got, want) < 1e-5
+
+
 def test_deepspeed_launcher_with_a_hostfile_runs_the_debug_recipe(reference, prepared_dir, tmp_path):
     pytest.importorskip("deepspeed")
     hostfile = tmp_path / "hostfile"

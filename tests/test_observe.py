@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import socket
+import statistics
 import time
 
 import pytest
@@ -324,11 +325,12 @@ def test_the_step_payload_and_a_record_do_not_grow_with_the_world(pools, corpus_
     assert [t["step"] for t in table] == [2] and len(table[0]["ranks"]) == tp * pp * dp
 
 
-# (sums, maxes): norm + loss + 7 breakdown fields + bubble; max and -min of step time,
-# busy time and peak memory
-EXPECTED_PAYLOAD = (2 + len(BREAKDOWN) + 1, 6)
+# (sums, maxes): norm + loss + 7 breakdown fields + bubble + CPU of the step and of its
+# forward/backward; max and -min of step time, busy time and peak memory
+EXPECTED_PAYLOAD = (2 + len(BREAKDOWN) + 3, 6)
 _FIGURES = {k: "float" for k in BREAKDOWN} | {
-    "bubble_fraction": "float", "max_step_time_s": "float", "min_step_time_s": "float",
+    "bubble_fraction": "float", "cpu_s": "float", "cpu_fwd_bwd_s": "float",
+    "max_step_time_s": "float", "min_step_time_s": "float",
     "max_busy_s": "float", "min_busy_s": "float", "peak_mem_bytes": "int", "min_peak_mem_bytes": "int",
     "max_step_time_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
     "max_busy_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
@@ -338,3 +340,33 @@ EXPECTED_RECORD_1 = {"step": "int", "loss": "float", "lr": "float", "grad_norm":
                      "tokens_per_s": "float", "step_time_s": "float", "tflops_per_device": "float",
                      "skipped": "bool", "skipped_steps": "int", "loss_spike": "bool", **_FIGURES}
 EXPECTED_RECORD_2 = {**EXPECTED_RECORD_1, "stragglers": []}
+
+
+def test_cpu_seconds_count_work_outside_the_schedule_and_not_waiting(corpus_dir, tmp_path, one_thread):
+    """cpu_s is the process's CPU time in the step: a hook that spins 30 ms of CPU after the
+    backward adds 30 ms to it (and nothing to cpu_fwd_bwd_s); one that sleeps 30 ms adds to
+    the step time, not to the CPU."""
+    import time
+
+    def hook(trainer):
+        if trainer.step % 2 == 0:  # trainer.step: the steps done before this one
+            t0 = time.thread_time()  # this thread's CPU: one compute thread (one_thread)
+            while time.thread_time() - t0 < 0.03:
+                pass
+        else:
+            time.sleep(0.03)
+
+    job = tiny_job(corpus_dir, str(tmp_path), train={"steps": 12})
+    trainer = Trainer(config_from_dict(job), Topology.single(), log=False)
+    trainer.step_hooks.append(hook)
+    records = trainer.fit()[2:]  # after warm-up
+    spin = [r for r in records if r["step"] % 2 == 1]
+    sleep = [r for r in records if r["step"] % 2 == 0]
+    med = lambda rs, f: statistics.median(f(r) for r in rs)  # noqa: E731
+    outside = lambda r: r["cpu_s"] - r["cpu_fwd_bwd_s"]  # noqa: E731
+    # the spin's 30 ms of CPU, less what a step's own CPU varies (a few ms here)
+    assert 0.025 < med(spin, outside) - med(sleep, outside) < 0.045
+    assert abs(med(spin, lambda r: r["cpu_fwd_bwd_s"]) - med(sleep, lambda r: r["cpu_fwd_bwd_s"])) < 0.01
+    # sleeping: 30 ms of step without CPU (spinning: CPU as long as the step)
+    idle = lambda r: r["step_time_s"] - r["cpu_s"]  # noqa: E731
+    assert med(sleep, idle) - med(spin, idle) > 0.02

@@ -13,6 +13,10 @@ and its model, and four panels, every x-axis in steps:
 * busy time per rank (the part of each step a rank was not waiting on another), one box
   per rank labelled with its tp/pp/dp coordinates.
 
+A run the autopilot moved (``train.autopilot``) has its moves drawn as vertical lines on
+the step panels, labelled with the new layout, and its decisions (measured and predicted
+step times, why it moved or stayed) in the summary.
+
 Legends sit beside their panels, never over the curves. :func:`build_figure` returns the
 ``matplotlib`` figure itself (no pyplot state), so tests read its axes. Needs matplotlib:
 ``pip install -e ".[report]"`` in the checkout, or ``pip install matplotlib``.
@@ -36,6 +40,17 @@ _REQUIRED = ("step", "loss", "tokens_per_s", "step_time_s")  # what the summary 
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
+    """The step records of ``RUN_DIR/metrics.jsonl`` (event lines, such as the autopilot's
+    decisions, are left out: :func:`load_events`)."""
+    return _load_lines(run_dir)[0]
+
+
+def load_events(run_dir: Path) -> list[dict]:
+    """The lines of ``RUN_DIR/metrics.jsonl`` that are events (``"event": ...``), in order."""
+    return _load_lines(run_dir)[1]
+
+
+def _load_lines(run_dir: Path) -> tuple[list[dict], list[dict]]:
     path = run_dir / "metrics.jsonl"
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"'{run_dir}' is a file: give the run directory of a training run (run.dir)")
@@ -46,7 +61,7 @@ def load_metrics(run_dir: Path) -> list[dict]:
                  if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"{path} cannot be read: {e}") from None
-    records = []
+    records, events = [], []
     for i, (n, line) in enumerate(lines):
         try:
             record = json.loads(line)
@@ -54,13 +69,16 @@ def load_metrics(run_dir: Path) -> list[dict]:
             if i == len(lines) - 1:
                 break  # the last line of a run killed while writing it
             raise UserError(f"{path} line {n} is not JSON: is this a parallel3d metrics file?") from None
+        if isinstance(record, dict) and "event" in record and "step" in record:
+            events.append(record)
+            continue
         if not isinstance(record, dict) or not all(k in record for k in _REQUIRED):
             raise UserError(f"{path} line {n} is not a parallel3d step record (needs "
                             f"{', '.join(_REQUIRED)})")
         records.append(record)
     if not records:
         raise UserError(f"{path} holds no steps yet")
-    return records
+    return records, events
 
 
 def load_job(run_dir: Path) -> dict | None:
@@ -73,9 +91,23 @@ def load_job(run_dir: Path) -> dict | None:
     return job if isinstance(job, dict) and isinstance(job.get("parallel"), dict) else None
 
 
-def summary(records: list[dict]) -> str:
+def autopilot_lines(events: list[dict]) -> list[str]:
+    """One line per decision of the autopilot (metrics.jsonl events)."""
+    out = []
+    for e in events:
+        if e.get("event") != "autopilot" or e.get("action", "").endswith("done"):
+            continue
+        if "predicted_current_s" in e:  # a decision to move or stay
+            out.append(f"autopilot, step {e['step']}: {e['action']} {e['from']} ({e['measured_step_s'] * 1e3:.0f} ms "
+                       f"measured) -> {e['to']} ({e['predicted_step_s'] * 1e3:.0f} ms predicted): {e['reason']}")
+        else:  # the check of a move
+            out.append(f"autopilot, step {e['step']}: {e['action']}: {e['reason']}")
+    return out
+
+
+def summary(records: list[dict], events: list[dict] = ()) -> str:
     """A few lines: steps, final loss, held-out loss, median throughput and step time, the
-    median breakdown's shares, and the slowest rank."""
+    median breakdown's shares, the slowest rank, and the autopilot's decisions."""
     last = records[-1]
     # Step 1 includes one-off work (allocations, first collectives): medians leave it out.
     steady = records[1:] or records
@@ -108,6 +140,7 @@ def summary(records: list[dict]) -> str:
     if "peak_mem_bytes" in last:
         lines.append(f"peak memory {max(r.get('peak_mem_bytes', 0) for r in records) / 2**30:.2f} GiB "
                      f"({last.get('mem_source', '')}, max over ranks)")
+    lines += autopilot_lines(list(events))
     return "\n".join(lines)
 
 
@@ -161,7 +194,7 @@ def rank_labels(n: int, job: dict | None) -> list[str]:
     return [f"{r}\ntp{c['tp']} pp{c['pp']}\ndp{c['dp']}" for r, c in ((r, grid.coords(r)) for r in range(n))]
 
 
-def title(records: list[dict], job: dict | None, name: str) -> str:
+def title(records: list[dict], job: dict | None, name: str, events: list[dict] = ()) -> str:
     last = records[-1]
     head = f"{name}: {len(records)} steps (to step {last['step']}), final loss {last['loss']:.4f}"
     evals = [r["val_loss"] for r in records if "val_loss" in r]
@@ -176,7 +209,9 @@ def title(records: list[dict], job: dict | None, name: str) -> str:
     layout = (f"tp {par['tp']} x pp {par['pp']} x dp {par['dp']} ({par['tp'] * par['pp'] * par['dp']} ranks"
               f"{', ' + par['schedule'] if par.get('pp', 1) > 1 else ''}, zero {par.get('zero', 0)})")
     batch = f"{train.get('global_batch')} x {train.get('seq_len')} tokens a step, {train.get('dtype', '')}"
-    return f"{head}\nLlama {source} ({shape}) on {layout}; {batch}"
+    moved = moves(list(events))
+    where = f" since step {moved[-1][0]} (moved by the autopilot)" if moved else ""
+    return f"{head}\nLlama {source} ({shape}) on {layout}{where}; {batch}"
 
 
 def _legend_beside(ax) -> None:
@@ -244,7 +279,23 @@ def _ranks_panel(ax, rank_tables: list[dict], job: dict | None) -> None:
     ax.set_xticks(list(range(0, len(busy), step)), [labels[i] for i in range(0, len(busy), step)], fontsize=7)
 
 
-def build_figure(records: list[dict], job: dict | None = None, name: str = "run", rank_tables: list[dict] = ()):
+def moves(events: list[dict]) -> list[tuple[int, str]]:
+    """(step, layout) of each move the autopilot made."""
+    return [(e["step"], e["to"]) for e in events
+            if e.get("event") == "autopilot" and e.get("action") in ("move done", "move back done")]
+
+
+def _mark_moves(axes, events: list[dict]) -> None:
+    for step, layout in moves(events):
+        for ax in axes:
+            ax.axvline(step, color="black", linestyle="--", linewidth=0.9)
+        top = axes[0]
+        top.annotate(f"moved to\n{layout}", xy=(step, 1.0), xycoords=("data", "axes fraction"),
+                     xytext=(3, -3), textcoords="offset points", fontsize=7, va="top")
+
+
+def build_figure(records: list[dict], job: dict | None = None, name: str = "run", rank_tables: list[dict] = (),
+                 events: list[dict] = ()):
     """The report as a ``matplotlib.figure.Figure`` (see the module docstring)."""
     try:
         from matplotlib.figure import Figure
@@ -253,24 +304,25 @@ def build_figure(records: list[dict], job: dict | None = None, name: str = "run"
     window = smoothing_window(len(records))
     fig = Figure(figsize=(15, 9), dpi=100, layout="constrained")
     ax = fig.subplots(2, 2)
-    fig.suptitle(title(records, job, name), fontsize=11)
+    fig.suptitle(title(records, job, name, events), fontsize=11)
     _loss_panel(ax[0, 0], records, window)
     _throughput_panel(ax[0, 1], records, window)
     _breakdown_panel(ax[1, 0], records)
     _ranks_panel(ax[1, 1], list(rank_tables), job)
+    _mark_moves([ax[0, 0], ax[0, 1], ax[1, 0]], list(events))
     return fig
 
 
 def plot(records: list[dict], out: Path, job: dict | None = None, name: str = "run",
-         rank_tables: list[dict] = ()) -> None:
-    build_figure(records, job, name, rank_tables).savefig(out)
+         rank_tables: list[dict] = (), events: list[dict] = ()) -> None:
+    build_figure(records, job, name, rank_tables, events).savefig(out)
 
 
 def write_report(run_dir: str | Path, out=print) -> Path:
     run_dir = Path(run_dir)
-    records = load_metrics(run_dir)
+    records, events = _load_lines(run_dir)
     png = run_dir / "report.png"
-    plot(records, png, load_job(run_dir), run_dir.name or str(run_dir), load_rank_tables(run_dir))
-    out(summary(records))
+    plot(records, png, load_job(run_dir), run_dir.name or str(run_dir), load_rank_tables(run_dir), events)
+    out(summary(records, events))
     out(f"wrote {png}")
     return png

@@ -24,6 +24,12 @@ disjoint stretches of the step's wall time and add up to ``step_time_s``:
 ``other_s``          what no span covers: zeroing gradients, the schedule's Python
                      bookkeeping between actions, the end-of-step device synchronisation
 
+Beside the breakdown each record has ``cpu_s``, the process CPU seconds of a rank in the
+step (every thread: the training thread, torch's compute threads, gloo's, the data
+loader's), and ``cpu_fwd_bwd_s``, those spent while the schedule ran forward and backward
+(means over ranks). On a CPU host with more ranks than cores, CPU time is what a layout
+really costs: the autopilot fits its model to it (``parallel3d/planner/fitted.py``).
+
 A rank's *busy* time is ``step_time_s - comm_exposed_s - bubble_s``: the part of the step
 it was not waiting for another rank. Stragglers are judged on it, since every rank's
 step time includes the waits a slow rank causes. Every ``straggler_interval`` steps each
@@ -148,8 +154,8 @@ class StepObserver:
     step of a run. Per-rank rows travel only every ``straggler_interval`` steps, gathered
     to the rank that logs (:meth:`check_stragglers`)."""
 
-    ROW = 1 + len(BREAKDOWN) + 2  # step time, the breakdown, bubble, peak memory
-    SUMS = len(BREAKDOWN) + 1  # the breakdown fields and the bubble, summed over ranks
+    ROW = 1 + len(BREAKDOWN) + 4  # step time, the breakdown, bubble, CPU (step, fwd/bwd), peak memory
+    SUMS = len(BREAKDOWN) + 3  # the breakdown fields, the bubble and the CPU times, summed over ranks
     MAXES = 2 * len(EXTREMES)
 
     def __init__(self, cfg, topo, device: torch.device, model_cfg):
@@ -178,11 +184,13 @@ class StepObserver:
             out["mfu"] = mfu(1.0 / step_time, self.flops_per_step, n, self.gpu.peak_flops)
         return out
 
-    def row(self, step_time: float, spans, bubble: float = 0.0) -> list[float]:
+    def row(self, step_time: float, spans, bubble: float = 0.0, cpu: tuple[float, float] = (0.0, 0.0)
+            ) -> list[float]:
         """This rank's figures of the step just finished: its step time, its breakdown,
-        ``bubble`` (its idle share of its pipeline step window) and its peak memory."""
+        ``bubble`` (its idle share of its pipeline step window), ``cpu`` (process CPU
+        seconds of the step and of its forward/backward) and its peak memory."""
         own = step_breakdown(spans, step_time)
-        return [step_time, *own.values(), bubble, float(peak_memory_bytes(self.device)[0])]
+        return [step_time, *own.values(), bubble, *cpu, float(peak_memory_bytes(self.device)[0])]
 
     @staticmethod
     def busy(row: list[float]) -> float:
@@ -219,6 +227,8 @@ class StepObserver:
         sums, maxes = sums.tolist(), maxes.tolist()
         record = {k: sums[i] / n for i, k in enumerate(BREAKDOWN)}
         record["bubble_fraction"] = sums[len(BREAKDOWN)] / n
+        record["cpu_s"] = sums[len(BREAKDOWN) + 1] / n
+        record["cpu_fwd_bwd_s"] = sums[len(BREAKDOWN) + 2] / n
         for key, (top, rank, low) in self._extremes.decode(maxes).items():
             name = key.removesuffix("_s").removesuffix("_bytes")
             record[f"max_{key}" if key != "peak_mem_bytes" else key] = top

@@ -53,7 +53,8 @@ def read_metrics(path: str | Path) -> tuple[dict, float]:
     """(config dict, median tokens/s) of a run: ``RUN_DIR/metrics.jsonl`` beside ``config.json``.
 
     The first step (compilation, allocator warm-up) and any step before the tenth when the
-    run has more than ten are left out of the median."""
+    run has more than ten are left out of the median. A run the autopilot moved counts
+    from its last move on (config.json holds the layout it moved to)."""
     path = Path(path)
     metrics = path if path.name.endswith(".jsonl") else path / "metrics.jsonl"
     config = metrics.parent / "config.json"
@@ -61,7 +62,8 @@ def read_metrics(path: str | Path) -> tuple[dict, float]:
         if not p.is_file():
             raise UserError(f"calibration needs {p}: give a run directory holding metrics.jsonl and config.json")
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    moved = [r["step"] for r in rows if r.get("event") == "autopilot" and r.get("action", "").endswith("done")]
+    rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > max(moved, default=0)]
     if len(rates) < 2:
         raise UserError(f"{metrics} has {len(rates)} steps: calibration needs at least 2 (the first is skipped)")
     skip = 10 if len(rates) > 20 else 1

@@ -73,6 +73,22 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if train.seq_len > model.max_seq_len:
         raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
     check_reliability(cfg)
+    check_autopilot(cfg)
+
+
+def check_autopilot(cfg: JobConfig) -> None:
+    ap = cfg.autopilot
+    if ap.measure_steps < 1 or ap.skip_steps < 0:
+        raise UserError(f"autopilot.measure_steps must be >= 1 and autopilot.skip_steps >= 0, got "
+                        f"{ap.measure_steps} and {ap.skip_steps}")
+    for name in ("min_gain", "memory_margin"):
+        value = getattr(ap, name)
+        if not 0 <= value < 1:
+            raise UserError(f"autopilot.{name} is a share in [0, 1), got {value}")
+    if ap.tolerance <= 0 or ap.memory_gib < 0 or ap.move_cost_s < 0:
+        raise UserError(f"autopilot.tolerance must be > 0, autopilot.memory_gib and autopilot.move_cost_s >= 0 "
+                        f"(0: the device's memory, the estimated cost), got {ap.tolerance}, {ap.memory_gib} "
+                        f"and {ap.move_cost_s}")
 
 
 def check_data_source(cfg: JobConfig) -> None:

@@ -135,6 +135,8 @@ class Trainer:
                                       resume_step=self.step if resumed else None)
                         if is_logger else None)
         self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
+        self._bar: ProgressBar | None = None
+        self._memory_logged = False
 
     def train_step(self) -> dict:
         """One optimizer step; returns its record (the same on every rank).
@@ -149,7 +151,7 @@ class Trainer:
         # closing collective) and nothing else, so the parameter all-gathers issued by
         # apply() run under the next step's forward. In steady state the host's step time
         # is the device's (the timeline's CUDA events give the per-span GPU times).
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         timeline = self.timeline
         timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
@@ -158,7 +160,9 @@ class Trainer:
         with timeline.span("data", "data"):  # the wait for batches built in the background
             micro_batches, _ = self.data.loader.next()
         self.optimizer.begin_step(len(micro_batches))  # buckets reduce as the last backward fills them
+        cpu1 = time.process_time()
         loss_part = self.schedule.run(micro_batches, reduce_loss=False)
+        cpu_fwd_bwd = time.process_time() - cpu1
         for hook in self.step_hooks:
             hook(self)
         with timeline.span("optimizer", "optimizer"):
@@ -167,13 +171,14 @@ class Trainer:
             grad_norm, loss = self._step_sums(norm_share, loss_part)
             self.optimizer.apply(lr, grad_norm, skip=not math.isfinite(loss))
         dt = time.perf_counter() - t0
+        cpu = (time.process_time() - cpu0, cpu_fwd_bwd)
         self.step += 1
         tokens = cfg.global_batch * cfg.seq_len
         grad_norm = float(grad_norm)
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
                   **self.observer.throughput(dt)}
-        self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0))
+        self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0, cpu))
         record.update(self._check_numbers(loss, grad_norm))
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
@@ -300,11 +305,18 @@ class Trainer:
         writes its record to metrics.jsonl and the sinks once the record is complete (one
         step later; before a checkpoint and at the end all pending records are
         completed, so metrics.jsonl holds every step a checkpoint covers)."""
-        history = []
-        bar = None
-        if self.metrics is not None and wants_bar(self.cfg.observability.progress):
-            bar = ProgressBar(self.cfg.train.steps)
         end = self.cfg.train.steps if stop_at is None else min(stop_at, self.cfg.train.steps)
+        history = self.run_steps(end)
+        self.close()
+        return history
+
+    def run_steps(self, end: int) -> list[dict]:
+        """Train up to step ``end`` and return the records of the steps run; the run stays
+        open (:meth:`close` ends it), so a caller can act between steps (the autopilot)."""
+        history = []
+        if self._bar is None and self.metrics is not None and wants_bar(self.cfg.observability.progress):
+            self._bar = ProgressBar(self.cfg.train.steps)
+        bar = self._bar
         while self.step < end:
             try:
                 record = self.train_step()
@@ -317,7 +329,8 @@ class Trainer:
             history.append(record)
             if self.metrics is not None:
                 self._show(record, bar)
-            if self.step == 1:  # every buffer exists after the first step
+            if not self._memory_logged:  # every buffer exists after this trainer's first step
+                self._memory_logged = True
                 self._log_memory()
             if self.checkpointer.due(self):
                 self.finish_records()  # metrics.jsonl holds every step the checkpoint covers
@@ -325,21 +338,44 @@ class Trainer:
             if self.checkpointer.due(self):
                 self.watch.pause("checkpoint save")  # its own gloo group raises on a hang
                 self.checkpointer.maybe_save(self)
+        return history
+
+    def flush_records(self) -> None:
+        """Complete the last step's record and write every completed one (collective)."""
         self.finish_records()
+        self._report(self.completed_records(), self._bar)
+
+    def log_event(self, event: dict) -> None:
+        """A record that is not a step (the autopilot's decisions) into metrics.jsonl."""
+        if self.metrics is not None:
+            self.metrics.log(event)
+
+    def close(self, finished: bool | None = None) -> None:
+        """End the run: the last records, the final checkpoint and export when the run
+        reached ``train.steps`` (else wait for a background save), then the data loader,
+        the metrics files and the watch."""
+        self.flush_records()
         self.watch.pause("end of the run")
-        self._report(self.completed_records(), bar)
-        if self.step >= self.cfg.train.steps:
+        if finished is None:
+            finished = self.step >= self.cfg.train.steps
+        if finished:
             self.checkpointer.finish(self)
         else:
             self.checkpointer.writer.wait()
+        self.release(close_watch=True)
+
+    def release(self, close_watch: bool = False) -> None:
+        """Let go of what this trainer holds open (the data loader's thread, the metrics
+        files, the progress bar) without the end-of-run work; the process groups stay."""
         self.data.loader.close()
         if self.metrics is not None:
-            if bar is not None:
-                bar.close()
+            if self._bar is not None:
+                self._bar.close()
+                self._bar = None
             self.metrics.close()
             self.sinks.close()
-        self.watch.close()
-        return history
+        if close_watch:
+            self.watch.close()
 
     def _show(self, record: dict, bar: ProgressBar | None) -> None:
         """Rank 0, as the step ends: the progress bar, or the console line every

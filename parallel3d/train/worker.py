@@ -22,6 +22,7 @@ from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE, UserError
 from parallel3d.reliability import (CommFailure, CommWatch, TrainingStopped, backend_timeout_s,
                                     comm_failures_reported, enable_flight_recorder, wants_watchdog)
 from parallel3d.topology import Topology
+from parallel3d.train.pilot import fit_with_autopilot, timed_trainer
 from parallel3d.train.trainer import Trainer
 
 
@@ -46,10 +47,18 @@ def run_training(cfg: JobConfig) -> list[dict]:
         topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, rank=0, world_size=1)
     watch = CommWatch.for_process_group(topo, rel.comm_timeout_s, rel.heartbeat_s,
                                         watchdog=watchdog and topo.world_size > 1, dump_dir=cfg.run.dir)
+    device = device_for(backend)
+
+    def make_trainer(job: JobConfig, grid: Topology) -> Trainer:
+        return Trainer(job, grid, device, watch=watch)
+
     try:
         with comm_failures_reported(watch, passthrough=(UserError, TrainingStopped)):
-            trainer = Trainer(cfg, topo, device_for(backend), watch=watch)
-            history = trainer.fit()
+            trainer, build_s = timed_trainer(lambda: make_trainer(cfg, topo))
+            if cfg.train.autopilot:
+                history = fit_with_autopilot(trainer, make_trainer, build_s)
+            else:
+                history = trainer.fit()
     finally:
         watch.close()
     if dist.is_initialized():
