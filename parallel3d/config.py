@@ -134,6 +134,7 @@ class LaunchConfig:
     nnodes: int = 1  # nodes of the job: the world size is nnodes * nproc
     backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
     threads_per_proc: int = 0  # 0: cores / local processes
+    host_memory: str = "fast"  # CPU: fast, tight (resident memory follows the tensors), libc
 
 
 @dataclass

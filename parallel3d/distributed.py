@@ -123,27 +123,40 @@ def set_cpu_threads(threads_per_proc: int) -> None:
     torch.set_num_threads(threads_per_proc)
 
 
-# CPU training: buffers at least this large are mapped and unmapped by the C allocator
-# (glibc's own initial threshold, kept fixed).
-HOST_MMAP_THRESHOLD = 128 * 2**10
+# CPU training: what glibc's allocator does with a step's freed buffers, by
+# ``launch.host_memory``: (mmap threshold, trim threshold) in bytes, None: glibc's own.
+#   fast   buffers from 4 MiB are mapped and unmapped (their memory goes back to the
+#          system when freed), smaller ones are reused from the heap, which gives back
+#          only what exceeds 16 MiB at its top;
+#   tight  every buffer from 128 KiB is mapped and unmapped: resident memory follows what
+#          the tensors hold, at the price of a page fault per 4 KiB each time a step
+#          touches a new buffer;
+#   libc   glibc's defaults: it raises the mmap threshold as large blocks are freed (up to
+#          32 MiB) and keeps those in its heaps, where they fragment.
+# Measured 2026-12-01 on the 2-core machine, the default model at 1 rank (median step of 20,
+# three alternating rounds): 227-264 ms fast, 380-391 ms tight (1.9 M page faults in 26
+# steps against 86 k, 28% of its CPU time in the kernel), 229-249 ms libc; the 501
+# M-parameter model at tp 2 x pp 2 (benchmarks/bench_scale.py), rank 0's peak after 2
+# steps: 2722 MiB fast, 2640 tight, 2911 libc, against 2103 MiB of its own state.
+HOST_MEMORY = {"fast": (4 * 2**20, 16 * 2**20), "tight": (128 * 2**10, None), "libc": (None, None)}
 
 
-def return_freed_host_memory() -> bool:
-    """On glibc, make buffers of at least :data:`HOST_MMAP_THRESHOLD` bytes go back to the
-    system when freed (``mallopt(M_MMAP_THRESHOLD)``, which also stops glibc from raising
-    the threshold). glibc otherwise raises it as large blocks are freed (up to 32 MiB) and
-    keeps the freed ones of a training step's activations, gradients and GEMM temporaries
-    in its heaps, where they fragment: measured on a 500 M-parameter model at tp 2 x pp 2,
-    a rank's resident memory grew by 390 MiB over its first 6 steps beyond what it held
-    after initialisation, and by nothing with the threshold fixed at 128 KiB (its peak 475
-    MiB lower). Returns whether it applied (not on other C libraries). CPU only: on GPU,
-    host memory holds little of the step."""
+def set_host_allocator(mode: str) -> bool:
+    """Apply ``launch.host_memory`` (:data:`HOST_MEMORY`) to this process's C allocator;
+    returns whether it applied (``libc`` and other C libraries than glibc: not). CPU only:
+    on GPU, host memory holds little of the step."""
     import ctypes
     import ctypes.util
 
+    mmap_threshold, trim_threshold = HOST_MEMORY[mode]
+    if mmap_threshold is None:
+        return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, HOST_MMAP_THRESHOLD))  # M_MMAP_THRESHOLD
+        applied = bool(libc.mallopt(-3, mmap_threshold))  # M_MMAP_THRESHOLD (fixes it: no raising)
+        if trim_threshold is not None:
+            applied = bool(libc.mallopt(-1, trim_threshold)) and applied  # M_TRIM_THRESHOLD
+        return applied
     except (OSError, AttributeError):
         return False
 

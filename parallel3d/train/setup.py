@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from parallel3d.config import JobConfig, ModelConfig
+from parallel3d.distributed import HOST_MEMORY
 from parallel3d.errors import UserError, did_you_mean
 from parallel3d.models.llama import LlamaConfig
 from parallel3d.model_config import resolve_model_config  # noqa: F401 - re-exported
@@ -43,6 +44,9 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     if par.sequence_parallel and train.seq_len % par.tp:
         raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
                         "which parallel.sequence_parallel needs: change one or turn it off")
+    if cfg.launch.host_memory not in HOST_MEMORY:
+        raise UserError(f"launch.host_memory '{cfg.launch.host_memory}' is not supported: use "
+                        f"{', '.join(HOST_MEMORY)}")
     if par.linear_backend not in ("auto", "triton", "torch"):
         raise UserError(f"parallel.linear_backend '{par.linear_backend}' is not supported: "
                         "use auto, triton or torch")

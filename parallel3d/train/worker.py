@@ -15,8 +15,7 @@ import sys
 import torch.distributed as dist
 
 from parallel3d.config import JobConfig, config_from_dict
-from parallel3d.distributed import (device_for, init_from_env, pick_backend, return_freed_host_memory,
-                                    set_cpu_threads,
+from parallel3d.distributed import (device_for, init_from_env, pick_backend, set_cpu_threads, set_host_allocator,
                                     under_torchrun)
 from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE, UserError
 from parallel3d.reliability import (CommFailure, CommWatch, TrainingStopped, backend_timeout_s,
@@ -35,7 +34,7 @@ def run_training(cfg: JobConfig) -> list[dict]:
     backend = pick_backend(cfg.launch.backend)
     set_cpu_threads(cfg.launch.threads_per_proc)
     if backend == "gloo":
-        return_freed_host_memory()  # resident memory follows what the tensors hold
+        set_host_allocator(cfg.launch.host_memory)  # what freed buffers cost (launch.host_memory)
     rel = cfg.reliability
     watchdog = wants_watchdog(rel.watchdog, backend)
     if under_torchrun():
