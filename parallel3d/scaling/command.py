@@ -40,13 +40,11 @@ def parse_ranks(text: str) -> list[int]:
 
 
 def run_scaling(args: argparse.Namespace, overrides: list[str], default_recipe: str) -> int:
-    from parallel3d.autopilot.decide import with_layout
     from parallel3d.config import load_config
     from parallel3d.model_config import resolve_model_config
     from parallel3d.scaling.curve import extend, flattens_at, table
     from parallel3d.scaling.plot import plot
-    from parallel3d.scaling.sweep import batch_at, sweep
-    from parallel3d.train.setup import check_job
+    from parallel3d.scaling.sweep import batch_at, layout_check, sweep
 
     recipe = args.recipe or default_recipe
     ranks = parse_ranks(args.ranks)
@@ -63,15 +61,7 @@ def run_scaling(args: argparse.Namespace, overrides: list[str], default_recipe: 
     sizes = [n for n in (world, 2 * world, 4 * world) if n not in ranks]
 
     def valid_for(n, work):
-        def valid(layout) -> bool:
-            job = with_layout(cfg, layout)
-            job.train.global_batch = work.global_batch
-            try:
-                check_job(job, model, n)
-            except UserError:
-                return False
-            return True
-        return valid
+        return layout_check(cfg, model, n, work.global_batch)
 
     dtype = "bf16" if cfg.train.dtype == "bf16" else "fp32"
     extended = extend(points, model, cfg.train.seq_len, dtype, lambda n: batch_at(cfg, n, args.weak),

@@ -132,11 +132,26 @@ def run_size(recipe: str, overrides: list[str], ranks: int, layout: Layout, glob
     return point
 
 
-def sweep(recipe: str, overrides: list[str], ranks: list[int], weak: bool, out: Path, log=print) -> list[Point]:
+def layout_check(cfg, model, ranks: int, global_batch: int):
+    """A predicate: whether a layout of ``ranks`` ranks passes the job's checks
+    (``check_job``) for ``cfg`` at ``global_batch``."""
     from parallel3d.autopilot.decide import with_layout
+    from parallel3d.train.setup import check_job
+
+    def valid(layout: Layout) -> bool:
+        job = with_layout(cfg, layout)
+        job.train.global_batch = global_batch
+        try:
+            check_job(job, model, ranks)
+        except UserError:
+            return False
+        return True
+    return valid
+
+
+def sweep(recipe: str, overrides: list[str], ranks: list[int], weak: bool, out: Path, log=print) -> list[Point]:
     from parallel3d.config import load_config
     from parallel3d.model_config import resolve_model_config
-    from parallel3d.train.setup import check_job
 
     cfg = load_config(recipe, overrides)
     model = resolve_model_config(cfg.model)
@@ -146,15 +161,7 @@ def sweep(recipe: str, overrides: list[str], ranks: list[int], weak: bool, out: 
     for n in sorted(ranks):
         work = Workload(model, cfg.train.seq_len, batch_at(cfg, n, weak), dtype)
 
-        def valid(layout: Layout, n=n, work=work) -> bool:
-            job = with_layout(cfg, layout)
-            job.train.global_batch = work.global_batch
-            try:
-                check_job(job, model, n)
-            except UserError:
-                return False
-            return True
-
+        valid = layout_check(cfg, model, n, work.global_batch)
         prior = points[-1].terms if points else None
         budget = int(cfg.autopilot.memory_gib * GiB) if cfg.autopilot.memory_gib else 2**62
         layout, predicted = choose(work, n, cfg.train.micro_batch, prior, n, budget, valid)
