@@ -114,3 +114,16 @@ def test_no_test_skips_when_the_project_itself_fails_to_import():
                     and str(node.args[0].value).split(".")[0] == "parallel3d"):
                 found.append(f"{path.name}:{node.lineno}")
     assert not found, found
+
+
+def test_convert_and_the_model_do_not_import_the_compiler():
+    """``parallel3d convert`` and a CPU run never need torch._dynamo: importing it costs
+    1.7 s and 140 MiB of resident memory in every process (the varlen attention kernel's
+    module pulls it in, so it is imported on first use on a GPU)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, parallel3d.checkpoint.convert, parallel3d.models.llama.model; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch.nn.attention.varlen') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -31,10 +31,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:  # torch >= 2.9: flash attention over variable-length sequences (CUDA only)
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
-except ImportError:  # pragma: no cover - older torch: packed documents take the mask path
-    _varlen_attn = None
+# torch >= 2.9: flash attention over variable-length sequences (CUDA only). Imported on
+# first use on a GPU: the module pulls in torch._dynamo (1.7 s and 140 MiB of resident
+# memory), which a CPU run, `convert` and `plan` never need.
+_varlen_attn = None
+
+
+def _varlen_kernel():
+    """torch's ``varlen_attn``, or None on a torch without it (packed documents then take
+    the mask path)."""
+    global _varlen_attn
+    if _varlen_attn is None:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:  # pragma: no cover - older torch
+            return None
+        _varlen_attn = varlen_attn
+    return _varlen_attn
 
 
 @dataclass(frozen=True)
@@ -220,8 +233,8 @@ def document_mask(positions: torch.Tensor) -> torch.Tensor:
 def varlen_runs_on(x: torch.Tensor, head_dim: int) -> bool:
     """Whether torch's variable-length flash kernel takes ``x``: CUDA, fp16 / bf16, an
     Ampere or newer GPU, a head width of at most 256 (flash attention's limits)."""
-    return (_varlen_attn is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-            and head_dim <= 256 and torch.cuda.get_device_capability(x.device)[0] >= 8)
+    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
+            and torch.cuda.get_device_capability(x.device)[0] >= 8 and _varlen_kernel() is not None)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -231,7 +244,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     (N+1,), on q's device), ``max_len`` the longest (a host int: no device read). Returns
     (T, h, hd). The same attention as :func:`document_mask`'s on the (B, S) window, without
     the (B, S, S) mask and the masked-out products."""
-    return _varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len,
+    return _varlen_kernel()(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len,
                         window_size=(-1, 0), enable_gqa=gqa)  # (-1, 0): causal
 
 
