@@ -60,16 +60,10 @@ LAYOUTS = {
 }
 
 
-# launch.host_memory of every run: "tight" (the default here) makes a rank's resident memory
-# follow what its tensors hold; the trainer's default, "fast", lets glibc keep freed buffers
-# under 4 MiB in its heap (parallel3d/distributed.py), which the bound does not count.
-HOST_MEMORY = ["tight"]
-
-
 def overrides(model: dict, parallel: dict, run_dir: Path, extra: dict | None = None) -> list[str]:
     job = {"model": dict(model), "parallel": dict(parallel), "train": dict(TRAIN),
            "data": {"max_bytes": 1_000_000, "vocab_size": 512, "cache_dir": str(WORK / "corpus")},
-           "launch": {"nproc": math.prod(parallel[k] for k in ("tp", "pp", "dp")), "host_memory": HOST_MEMORY[0]},
+           "launch": {"nproc": math.prod(parallel[k] for k in ("tp", "pp", "dp"))},
            "observability": {"straggler_interval": 2, "progress": "off"},
            "eval": {"interval": 0}, "run": {"dir": str(run_dir)}}
     for section, keys in (extra or {}).items():
@@ -180,7 +174,10 @@ def main(argv=None) -> int:
     ap.add_argument("--host-memory", default="tight", choices=("tight", "fast", "libc"),
                     help="launch.host_memory of the runs (default tight: resident memory follows the tensors)")
     args = ap.parse_args(argv)
-    HOST_MEMORY[0] = args.host_memory
+    # "tight" (the default here) makes a rank's resident memory follow what its tensors
+    # hold; the trainer's default, "fast", lets glibc keep freed buffers under 4 MiB in its
+    # heap (parallel3d/distributed.py), which the bound does not count
+    launch = {"launch": {"host_memory": args.host_memory}}
     print(f"launch.host_memory = {args.host_memory}")
     names = list(LAYOUTS) if args.layouts == "all" else [n.strip() for n in args.layouts.split(",")]
     WORK.mkdir(parents=True, exist_ok=True)
@@ -188,15 +185,15 @@ def main(argv=None) -> int:
     for name in names:
         parallel = LAYOUTS[name]
         tag = name.replace(" ", "_")
-        base = train(TINY, parallel, WORK / f"tiny-{tag}")
-        got = train(MODEL, parallel, WORK / f"run-{tag}")
+        base = train(TINY, parallel, WORK / f"tiny-{tag}", launch)
+        got = train(MODEL, parallel, WORK / f"run-{tag}", launch)
         w, within[name] = report(name, got, base, parallel)
         worst = max(worst, w)
         if name == "tp2 pp2" and not args.no_hf:
             hf = WORK / "hf"
             write_hf_model(hf)
             size = sum(f.stat().st_size for f in hf.glob("*.safetensors"))
-            from_hf = train(MODEL, parallel, WORK / "run-hf", {"model": {"hf_checkpoint": str(hf)}})
+            from_hf = train(MODEL, parallel, WORK / "run-hf", {**launch, "model": {"hf_checkpoint": str(hf)}})
             w, within[f"{name} from HF"] = report(f"{name} from HF {size / 1e9:.2f} GB", from_hf, base, parallel)
             worst = max(worst, w)
             same = from_hf["losses"] == got["losses"]

@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import parallel3d.models.llama.documents as documents
 import parallel3d.models.llama.model as llama_model
 from parallel3d.data.batch import MicroBatch, document_spans
 from parallel3d.data.packing import PackedWindows
 from parallel3d.models.llama import Llama, config_from_preset
-from parallel3d.models.llama.model import document_mask
+from parallel3d.models.llama.documents import document_mask
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -86,7 +87,7 @@ def test_the_varlen_path_gives_the_masked_paths_outputs_and_gradients(monkeypatc
     masked, masked_grads = run()
     calls = []
     monkeypatch.setattr(llama_model, "varlen_runs_on", lambda h, hd: calls.append(hd) or True)
-    monkeypatch.setattr(llama_model, "_varlen_attn", _reference_varlen)
+    monkeypatch.setattr(documents, "_varlen_kernel", lambda: _reference_varlen)
     varlen, varlen_grads = run(cu_seqlens=cu, max_doc_len=longest)
     assert calls, "the varlen path was not taken"
     # fp32: one SDPA per document against one masked SDPA over the window, the same
@@ -100,7 +101,7 @@ def test_the_varlen_path_gives_the_masked_paths_outputs_and_gradients(monkeypatc
 
 
 def test_the_cpu_takes_the_mask_path():
-    assert not llama_model.varlen_runs_on(torch.zeros(2, dtype=torch.bfloat16), 64)
+    assert not documents.varlen_runs_on(torch.zeros(2, dtype=torch.bfloat16), 64)
 
 
 @pytest.mark.gpu
@@ -114,7 +115,7 @@ def test_varlen_kernel_on_the_gpu_agrees_with_masked_sdpa_in_bf16():
     x = torch.randint(0, 1000, (2, 512), device=device)
     positions = torch.cat([torch.arange(100), torch.arange(300), torch.arange(112)]).repeat(2, 1).to(device)
     cu, longest = document_spans(positions.cpu())
-    assert llama_model.varlen_runs_on(torch.zeros(1, device=device, dtype=torch.bfloat16), cfg.head_dim)
+    assert documents.varlen_runs_on(torch.zeros(1, device=device, dtype=torch.bfloat16), cfg.head_dim)
     with torch.no_grad():
         masked = model(x, positions=positions).float()
         varlen = model(x, positions=positions, cu_seqlens=cu.to(device), max_doc_len=longest).float()
