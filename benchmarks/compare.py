@@ -22,7 +22,9 @@ work against rank 1's 2; with 8 the split rule balances the ranks at pp 2, not a
 where each of the 8 chunks still has one layer) against torch's
 ``Schedule1F1B`` (pp stages), ``ScheduleZBVZeroBubble`` (2 pp chunks in zb-v's V) and
 ``ScheduleInterleavedZeroBubble`` (2 pp chunks, interleaved), all cut by our split rule,
-and print below the table each side's peak per stage in its metered run (the last step's
+and against our own 1F1B on the same stages and batches (what the schedule gains, apart
+from the runtime's own lead or lag against torch's), and print below the table each
+side's peak per stage in its metered run (the last step's
 high-water mark above what was allocated at its start: activations, gradient and
 communication buffers, temporaries).
 
@@ -85,7 +87,9 @@ ROWS = {
                             for cls, cut in (("Schedule1F1B", {"schedule": "1f1b"}),
                                              ("ScheduleZBVZeroBubble", {"schedule": "zb-v", "virtual_stages": 2}),
                                              ("ScheduleInterleavedZeroBubble",
-                                              {"schedule": "interleaved", "virtual_stages": 2}))],
+                                              {"schedule": "interleaved", "virtual_stages": 2}))]
+                           + [("parallel3d 1f1b", peers.run_ours_as,
+                               {"as_layout": {"pp": pp, "schedule": "1f1b"}}, None)],
                            f"pp={pp}, {zb}, {2 * pp} micro-batches",
                            {"micro_batch": 2 if pp == 2 else 1, "model": {"n_layers": 8}})
        for pp in (2, 4) for zb in ("zb-h1", "zb-v")},

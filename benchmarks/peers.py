@@ -103,6 +103,12 @@ def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Ru
     return run
 
 
+def run_ours_as(layout: dict, steps: int, as_layout: dict, memory_run: bool = False, **job_kw) -> Run:
+    """Our Trainer at ``as_layout`` instead of the row's layout: a row's own reference
+    (the zero-bubble rows' 1F1B on the same stages and batches)."""
+    return run_ours(as_layout, steps, memory_run=memory_run, **job_kw)
+
+
 # -- DeepSpeed -------------------------------------------------------------------------------
 
 def _deepspeed():

@@ -10,7 +10,7 @@ from parallel3d.errors import UserError
 from parallel3d.models.llama import config_from_preset
 from parallel3d.models.llama.parallelize import stage_costs
 from parallel3d.pipeline import schedules, zero_bubble
-from parallel3d.pipeline.actions import Action, inputs_of, outputs_of
+from parallel3d.pipeline.actions import Action, inputs_of, outputs_of, undivided_backwards
 from parallel3d.pipeline.partition import balanced_split, chunk_owners, rank_chunks, resolve_split
 from parallel3d.pipeline.simulate import ScheduleError, simulate, theoretical_bubble
 from parallel3d.planner.memory import in_flight
@@ -179,6 +179,40 @@ def test_zero_bubble_plans_pp2_to_8_deadlock_free_b_before_w_memory_as_planned()
         if name == "zb-h1" or m >= 2 * pp - 1:
             assert r.mean_bubble() == pytest.approx(theoretical_bubble(name, pp, v, m), abs=1e-12), (name, pp, m)
     assert len(ZERO_BUBBLE_CASES) == 2 * sum(3 * pp + 1 for pp in range(2, 9))
+
+
+@pytest.mark.parametrize("sends_block", [True, False])
+def test_undivided_first_chunk_backwards_change_no_timeline(monkeypatch, sends_block):
+    """The first chunk's backward run whole in its B (B + W there, nothing in its W)
+    leaves every other action's start, the end of each first-chunk W's work, the
+    makespan and the memory peaks exactly as with the split, for both schedules at pp
+    2-8, m = pp .. 4 pp: under the runtime's rule on gloo (sends waited one batch later)
+    at every cost; under NCCL's (a batch waits for its sends) wherever W costs at most B.
+    It saves the split's own cost and moves no time anywhere."""
+    import parallel3d.pipeline.simulate as sim_module
+
+    costs = [(1.0, 1.0, 1.0), (1.0, 1.26, 0.69), (1.0, 2.0, 0.2), (1.0, 1.6, 0.9)]
+    if not sends_block:
+        costs += [(0.5, 1.0, 1.0), (1.0, 0.8, 1.2), (1.0, 1.0, 2.0)]
+    for name, pp, m in ZERO_BUBBLE_CASES:
+        v = 2 if name == "zb-v" else 1
+        for f, b, w in costs:
+            args = (name, pp, v, m, f / v, b / v, w / v)
+            monkeypatch.setattr(sim_module, "undivided_backwards", undivided_backwards)
+            whole = simulate(*args, sends_block=sends_block)
+            monkeypatch.setattr(sim_module, "undivided_backwards", lambda steps: frozenset())
+            split = simulate(*args, sends_block=sends_block)
+
+            # when each action starts, and when the first chunk's W's work is done
+            # (1e-12: B + W summed once instead of added in two steps)
+            def marks(run):
+                return [[(act, t1 if act.startswith("W0.") else t0) for act, t0, t1 in runs] for runs in run.runs]
+            for mine, theirs in zip(marks(whole), marks(split)):
+                assert [a for a, _ in mine] == [a for a, _ in theirs], args
+                assert [t for _, t in mine] == pytest.approx([t for _, t in theirs], abs=1e-12), args
+            assert whole.makespan == pytest.approx(split.makespan, abs=1e-12), args
+            assert (whole.peak_alive, whole.peak_to_b) == (split.peak_alive, split.peak_to_b), args
+            assert any(act.startswith("W0.") and t0 == t1 for act, t0, t1 in whole.runs[0]), args
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])

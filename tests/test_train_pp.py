@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from parallel3d.config import config_from_dict
+from parallel3d.pipeline.actions import undivided_backwards
 from parallel3d.pipeline.partition import rank_chunks
 from parallel3d.pipeline.runtime import PipelineSchedule
+from parallel3d.pipeline.schedules import plan
 from parallel3d.pipeline.simulate import simulate, theoretical_bubble
 from parallel3d.pipeline.synthetic import FixedCostChunk, mean_loss
 from parallel3d.topology import Topology
@@ -238,14 +240,21 @@ def _check_trace(path, world: int, pp: int, m: int, steps: int, schedule: str = 
         assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float))
         assert e["ts"] >= 0 and e["dur"] >= 0 and e["pid"] in range(world) and e["tid"] in (0, 1)
     # Every forward and backward of every chunk and micro-batch, once per recorded step;
-    # with a split backward its B ("backward") and its W ("weight") apart.
+    # with a split backward its B ("backward") and its W ("weight") apart, except on the
+    # first chunk, whose backward runs undivided: one B span.
     split = schedule in ("zb-h1", "zb-v")
+    v = 2 if schedule == "zb-v" else 1
     cats = {"F": "forward", "B": "backward", "W": "weight"}
+    whole = {r: undivided_backwards(plan(schedule, pp, v, m, r)) if split else set() for r in range(pp)}
     work = sorted((e["pid"], e["args"]["step"], e["name"], e["cat"]) for e in spans if e["cat"] in cats.values())
     want = sorted((r, s, f"{op}{c}.{i}", cats[op]) for r in range(pp) for s in range(1, steps + 1)
-                  for c in rank_chunks(r, pp, 2 if schedule == "zb-v" else 1, schedule)
-                  for op in ("FBW" if split else "FB") for i in range(m))
+                  for c in rank_chunks(r, pp, v, schedule)
+                  for op in ("FBW" if split else "FB") for i in range(m)
+                  if not (op == "W" and (c, i) in whole[r]))
     assert work == want
+    assert all(e["args"].get("with_weight", False) == ((int(e["name"][1:].split(".")[0]),
+                                                         int(e["name"].split(".")[1])) in whole[e["pid"]])
+               for e in spans if e["cat"] == "backward")
     # The optimizer reduces a bucket as soon as the step's last backward pass filled it:
     # on every rank, the first bucket's reduction is issued before its last backward ends.
     for pid in range(world):

@@ -170,14 +170,17 @@ def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, call
     Pipeline parallelism first cuts this rank's chunks (:func:`cut_pipeline_stages`), then
     tensor parallelism splits each chunk (:func:`apply_tensor_parallel`); a zero-bubble
     schedule has every weight's backward split into B and W
-    (:func:`split_llama_weight_grads`). With ``pp > 1``
+    (:func:`split_llama_weight_grads`), but on the first chunk, whose backward runs whole. With ``pp > 1``
     the model is a :class:`PipelineStage`: this rank's chunks under the unsplit parameter
     names, run by the pipeline schedule through ``.pipeline_chunks``.
     """
     chunks = cut_pipeline_stages(model, topo, parallel_cfg) if topo.pp > 1 else [model]
     for chunk in chunks:
         apply_tensor_parallel(chunk, topo, parallel_cfg.sequence_parallel, parallel_cfg.linear_backend)
-        if parallel_cfg.schedule in SPLIT_BACKWARD:
+        # The first chunk's backward always runs undivided (its input gradient has no
+        # reader: parallel3d.pipeline.actions.undivided_backwards): its layers keep
+        # torch's own backward rather than the split's autograd functions.
+        if parallel_cfg.schedule in SPLIT_BACKWARD and chunk.embed_tokens is None:
             split_llama_weight_grads(chunk)
     if topo.pp > 1:
         mark_tied_embeddings(chunks)

@@ -79,6 +79,21 @@ def outputs_of(a: Action, owners: list[int]) -> list[Message]:
     return []
 
 
+def undivided_backwards(steps: list[Step]) -> frozenset[tuple[int, int]]:
+    """The (chunk, micro-batch) pairs whose backward a split plan runs undivided, in its
+    B: the first chunk's. Nothing waits for that chunk's input gradient (its input is
+    token ids), so splitting its backward buys no time and costs the split itself (the
+    layer inputs and output gradients read twice, the records and their replay, its
+    layers' own autograd functions: ``parallelize_llama`` leaves them out). Its W then
+    has nothing left to do.
+
+    Moving the W's work into its B changes no timeline under the runtime's rule on gloo
+    (a batch's sends waited one batch later). Under NCCL's (waiting for a batch waits for
+    its sends) a batch between the B and the W is posted a W later, which delays zb-v's
+    neighbours only where W costs more than B (``simulate`` plays both; tests)."""
+    return frozenset((a.chunk, a.mb) for step in steps for a in step if a.op == "B" and a.chunk == 0)
+
+
 def _remote(messages: list[Message]) -> list[Message]:
     return [m for m in messages if not m.local]
 

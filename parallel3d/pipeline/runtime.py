@@ -15,7 +15,10 @@ record their weight gradients, which the plan's W of that (chunk, micro-batch) c
 later. They accumulate through autograd as an undivided backward's would (ZeRO's hooks
 count them, so a bucket is reduced once the step's last W has filled it). A layer that
 does not record its weight gradient (``tensor_parallel/split_backward.py``) computes it
-in B, which changes when, not what. Only the last stage computes the loss; each micro-batch's loss is divided
+in B, which changes when, not what. The first chunk's backward, whose input gradient
+nobody waits for, runs undivided in its B (``actions.undivided_backwards``): the split
+would cost time there and buy none; the trace shows one B span (``with_weight``) and no
+W span for it. Only the last stage computes the loss; each micro-batch's loss is divided
 by the number of micro-batches before its backward, exactly as without a pipeline, and
 the step's loss is summed over the pipeline group so every rank returns it.
 
@@ -43,7 +46,7 @@ from parallel3d.distributed import all_reduce
 
 from parallel3d.kernels.deferred import DeferredWeightGrads, deferring
 
-from .actions import Batch, inputs_of, outputs_of
+from .actions import Batch, inputs_of, outputs_of, undivided_backwards
 from .p2p import StageComm
 from .partition import rank_chunks
 from .schedules import SPLIT_BACKWARD, Action, Message, batches, owners, plan
@@ -75,6 +78,7 @@ class _StepState:
     stash: dict = field(default_factory=dict)  # (chunk, mb) -> (input, output): alive activations
     deferred: dict = field(default_factory=dict)  # (chunk, mb) -> the work its W will run
     alive: set = field(default_factory=set)  # (chunk, mb) forwarded and not yet finished
+    whole: frozenset = frozenset()  # (chunk, mb) whose backward runs undivided in its B
     loss: torch.Tensor | None = None  # sum of this step's micro-batch losses (last stage)
 
 
@@ -103,6 +107,17 @@ class PipelineSchedule:
         self.steps_run = 0
         self.watch = watch  # a reliability.CommWatch told of each send/recv, if given
 
+    @contextlib.contextmanager
+    def _comm(self, label: str, axis: str = "pp"):
+        """Tell the watch (if any) that the enclosed code waits on communication
+        ``label`` over ``axis``, and that computing resumes after it."""
+        if self.watch is None:
+            yield
+            return
+        self.watch.enter(label, axis)
+        yield
+        self.watch.resume()
+
     def run(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
             reduce_loss: bool = True) -> torch.Tensor:
         """Forward and backward every micro-batch; returns the step's mean loss (a detached
@@ -119,24 +134,23 @@ class PipelineSchedule:
         # collective together, so the windows start within a collective's skew of each
         # other without another round trip.
         self.timeline.start_step(self.steps_run + 1)  # numbered from 1, as in metrics.jsonl
-        st = _StepState(micro_batches, loss=torch.zeros((), dtype=torch.float32, device=self.device))
+        st = _StepState(micro_batches, loss=torch.zeros((), dtype=torch.float32, device=self.device),
+                        whole=undivided_backwards(steps) if self.split else frozenset())
         self.peak_alive = 0
         for step, batch in zip(steps, posts):
             self._run_step(step, self._post(batch, st), st)
         self._run_step((), self._post(posts[-1], st), st)  # the last step's sends
         assert not (st.stash or st.inbox or st.outbox or st.deferred), "plan left work undone"
         if self.comm is not None:
-            if self.watch is not None:
-                self.watch.enter("pipeline send/recv [last sends]", "pp")
-            with self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
+            with self._comm("pipeline send/recv [last sends]"), \
+                    self.timeline.span("wait", "wait", lane="comm", ops="last sends"):
                 self.comm.flush()
         self.timeline.end_work()
         self.steps_run += 1
         if not reduce_loss:
             return st.loss
-        with self.timeline.span("pp collectives", "comm", lane="comm"):
-            if self.watch is not None:
-                self.watch.enter("loss sum over the pipeline", "pp")
+        with self.timeline.span("pp collectives", "comm", lane="comm"), \
+                self._comm("loss sum over the pipeline"):
             loss = all_reduce(st.loss, self.topo.pp_group)  # only the last chunk's rank is non-zero
         self.timeline.close_window()
         return loss
@@ -172,9 +186,8 @@ class PipelineSchedule:
             for c in (c for c in range(self.n_chunks) if self.owners[c] == me):
                 if c > 0 and self.owners[c - 1] != me:
                     msg = Message("act", c - 1, mb, src=self.owners[c - 1], dst=me)
-                    if self.watch is not None:
-                        self.watch.enter(f"pipeline send/recv [eval recv act{c - 1}.{mb}]", "pp")
-                    (x,) = self.comm.exchange([], [msg])
+                    with self._comm(f"pipeline send/recv [eval recv act{c - 1}.{mb}]"):
+                        (x,) = self.comm.exchange([], [msg])
                 with self.autocast():
                     out = self.chunks[c](x, **side)
                 if c == last:
@@ -182,17 +195,14 @@ class PipelineSchedule:
                                                len(micro_batches)).float()
                 elif self.owners[c + 1] != me:
                     msg = Message("act", c, mb, src=me, dst=self.owners[c + 1])
-                    if self.watch is not None:
-                        self.watch.enter(f"pipeline send/recv [eval send act{c}.{mb}]", "pp")
-                    self.comm.exchange([(msg, out)], [])
+                    with self._comm(f"pipeline send/recv [eval send act{c}.{mb}]"):
+                        self.comm.exchange([(msg, out)], [])
                 x = out  # the next chunk's input, if this rank holds it too
         if self.comm is not None:
-            if self.watch is not None:
-                self.watch.enter("pipeline send/recv [eval last sends]", "pp")
-            self.comm.flush()
-            if self.watch is not None:
-                self.watch.enter("eval loss sum over the pipeline", "pp")
-        return all_reduce(total, self.topo.pp_group)  # only the last chunk's rank is non-zero
+            with self._comm("pipeline send/recv [eval last sends]"):
+                self.comm.flush()
+        with self._comm("eval loss sum over the pipeline"):
+            return all_reduce(total, self.topo.pp_group)  # only the last chunk's rank is non-zero
 
     # -- the actions --------------------------------------------------------------------------
     def _forward(self, a: Action, st: _StepState) -> None:
@@ -218,11 +228,14 @@ class PipelineSchedule:
 
     def _backward(self, a: Action, st: _StepState) -> None:
         """The input gradient; with a split backward the weight gradients are recorded
-        for this (chunk, micro-batch)'s W."""
+        for this (chunk, micro-batch)'s W, unless the backward runs undivided here
+        (``actions.undivided_backwards``: the first chunk's)."""
         x, out = st.stash.pop((a.chunk, a.mb))
         grad = None if a.chunk == self.n_chunks - 1 else st.inbox.pop(("grad", a.chunk + 1, a.mb))
-        work = DeferredWeightGrads() if self.split else None
-        with self.timeline.span(f"B{a.chunk}.{a.mb}", "backward", chunk=a.chunk, mb=a.mb):
+        whole = (a.chunk, a.mb) in st.whole
+        work = DeferredWeightGrads() if self.split and not whole else None
+        with self.timeline.span(f"B{a.chunk}.{a.mb}", "backward", chunk=a.chunk, mb=a.mb,
+                                **({"with_weight": True} if whole else {})):
             with deferring(work):
                 torch.autograd.backward(out, grad_tensors=grad)
         if work is None:
@@ -233,7 +246,10 @@ class PipelineSchedule:
             (st.inbox if msg.local else st.outbox)[("grad", a.chunk, a.mb)] = x.grad
 
     def _weight(self, a: Action, st: _StepState) -> None:
-        """The weight gradients this (chunk, micro-batch)'s B recorded."""
+        """The weight gradients this (chunk, micro-batch)'s B recorded (none when its B
+        ran undivided)."""
+        if (a.chunk, a.mb) in st.whole:
+            return
         work = st.deferred.pop((a.chunk, a.mb))
         with self.timeline.span(f"W{a.chunk}.{a.mb}", "weight", chunk=a.chunk, mb=a.mb):
             work.run()
@@ -256,12 +272,9 @@ class PipelineSchedule:
         """Wait for a posted batch and put what it received in the inbox; returns None
         (the caller's pending batch is then done)."""
         posted, recvs, label = pending
-        if self.watch is not None:
-            self.watch.enter(f"pipeline send/recv [{label}]", "pp")
-        with self.timeline.span("wait", "wait", lane="comm", ops=label):
+        with self._comm(f"pipeline send/recv [{label}]"), \
+                self.timeline.span("wait", "wait", lane="comm", ops=label):
             received = posted.wait()
-        if self.watch is not None:
-            self.watch.resume()
         for msg, tensor in zip(recvs, received):
             st.inbox[(msg.kind, msg.chunk, msg.mb)] = tensor
         return None

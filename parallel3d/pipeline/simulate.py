@@ -15,7 +15,9 @@ the way the runtime posts and waits for them:
 
 It reports a deadlock (every rank waiting) and any mismatch (the k-th message sent from
 rank a to rank b is not the one b expects as its k-th), and, with fixed costs for a
-forward, a backward and a weight gradient, the ideal timeline: when each action runs, the
+forward, a backward and a weight gradient (a backward the runtime runs undivided,
+``actions.undivided_backwards``, costs B + W in its B and nothing in its W), the ideal
+timeline: when each action runs, the
 step's makespan, the bubble of every stage and the peak number of chunk-micro-batches
 alive on it. Waiting later or for fewer sends only lets operations start earlier, so a
 plan that passes under ``sends_block=True`` runs under the runtime's rules too.
@@ -26,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from .actions import inputs_of
+from .actions import inputs_of, undivided_backwards
 from .schedules import SPLIT_BACKWARD, Message, batches, owners, plan
 
 
@@ -68,8 +70,9 @@ def simulate(name: str, pp: int, v: int, m: int, t_fwd: float = 1.0, t_bwd: floa
     split = name in SPLIT_BACKWARD
     _check_coverage(steps, where, v, m, split)
     cost = {"F": t_fwd, "B": t_bwd if split else t_bwd + t_w, "W": t_w}
-    sim = _Simulation(steps, [batches(name, pp, v, m, r) for r in range(pp)], where, cost,
-                      sends_block, split, f"{name} pp={pp} v={v} m={m}")
+    posts = [batches(name, pp, v, m, r) for r in range(pp)]
+    whole = [undivided_backwards(s) if split else frozenset() for s in steps]
+    sim = _Simulation(steps, posts, where, cost, sends_block, split, f"{name} pp={pp} v={v} m={m}", whole)
     while not all(sim.finished):
         # `|` rather than `or`: all three run each round.
         if not (sim.post_batches() | sim.match_messages() | sim.run_ranks()):
@@ -83,9 +86,10 @@ class _Simulation:
     """The state of every simulated rank: which batch it is in, and the clock."""
 
     def __init__(self, steps, batches, owners: list[int], cost: dict, sends_block: bool,
-                 split: bool, label: str):
+                 split: bool, label: str, whole: list[frozenset]):
         pp = len(steps)
         self.steps, self.batches, self.owners, self.cost = steps, batches, owners, cost
+        self.whole = whole  # per rank: (chunk, mb) whose backward runs undivided in its B
         self.sends_block, self.split, self.label = sends_block, split, label
         self.now = [0.0] * pp  # when each rank finished its last computation
         self.pos = [0] * pp  # the batch (and step) each rank is in
@@ -176,6 +180,9 @@ class _Simulation:
 
     def _compute(self, r: int, a) -> None:
         cost = self.cost[a.op]
+        whole = a.op != "F" and (a.chunk, a.mb) in self.whole[r]
+        if whole:  # the whole backward in its B, nothing left for its W
+            cost = self.cost["B"] + self.cost["W"] if a.op == "B" else 0.0
         self.runs[r].append((str(a), self.now[r], self.now[r] + cost))
         self.now[r] += cost
         self.busy[r] += cost
@@ -184,8 +191,8 @@ class _Simulation:
             self.to_b[r] += 1
         elif a.op == "B":
             self.to_b[r] -= 1
-            self.alive[r] -= 0 if self.split else 1
-        else:
+            self.alive[r] -= 0 if self.split and not whole else 1
+        elif not whole:
             self.alive[r] -= 1
         self.peak[r] = max(self.peak[r], self.alive[r])
         self.peak_to_b[r] = max(self.peak_to_b[r], self.to_b[r])

@@ -17,8 +17,11 @@ and W (the weight gradient: wgrad GEMMs). The pipeline idles, per stage and step
     interleaved    (pp - 1) (F + B + W) / v
     zb-h1          (pp - 1) max(F + B - W, F, B)    the W's fill the cool-down
     zb-v           the simulator's idle time of the plan (pipeline/simulate.py) at
-                   min(m, 2 pp - 1) micro-batches, which m does not change beyond that;
-                   (pp - 1) max(F + B - W, F, B) / 2 past pp 16 (exact at F = B = W)
+                   min(m, 2 pp - 1) micro-batches, which m does not change beyond that
+                   while W <= B (at m itself when W > B: the first chunk's backward
+                   runs whole in its B, which posts a batch a W later, every step of the
+                   steady state); (pp - 1) max(F + B - W, F, B) / 2 past pp 16 (exact at
+                   F = B = W)
 
 The first three are exact for the simulator's plans at any costs (``tests/test_planner.py``
 checks them against it); zb-v's idle under unequal costs depends on pp in no simple way,
@@ -117,7 +120,8 @@ def bubble_seconds(schedule: str, pp: int, v: int, m: int, f: float, b: float, w
     if schedule == "zb-v":
         if pp > SIMULATED_ZB_V_UP_TO:
             return (pp - 1) * max(f + b - w, f, b) / 2
-        return f * _zb_v_idle(pp, min(m, 2 * pp - 1), round(b / f, 3), round(w / f, 3))
+        m_sim = m if w > b else min(m, 2 * pp - 1)
+        return f * _zb_v_idle(pp, m_sim, round(b / f, 3), round(w / f, 3))
     return (pp - 1) * (f + b + w) / (v if schedule == "interleaved" else 1)
 
 
