@@ -186,15 +186,18 @@ def test_undivided_first_chunk_backwards_change_no_timeline(monkeypatch, sends_b
     """The first chunk's backward run whole in its B (B + W there, nothing in its W)
     leaves every other action's start, the end of each first-chunk W's work, the
     makespan and the memory peaks exactly as with the split, for both schedules at pp
-    2-8, m = pp .. 4 pp: under the runtime's rule on gloo (sends waited one batch later)
-    at every cost; under NCCL's (a batch waits for its sends) wherever W costs at most B.
-    It saves the split's own cost and moves no time anywhere."""
+    2, 3, 4 and 8 with m from pp to 4 pp (zb-v's warm-up edge 2 pp - 1 among them): under
+    the runtime's rule on gloo (sends waited one batch later) at every cost; under NCCL's
+    (a batch waits for its sends) wherever W costs at most B. It saves the split's own
+    cost and moves no time anywhere."""
     import parallel3d.pipeline.simulate as sim_module
 
     costs = [(1.0, 1.0, 1.0), (1.0, 1.26, 0.69), (1.0, 2.0, 0.2), (1.0, 1.6, 0.9)]
     if not sends_block:
         costs += [(0.5, 1.0, 1.0), (1.0, 0.8, 1.2), (1.0, 1.0, 2.0)]
-    for name, pp, m in ZERO_BUBBLE_CASES:
+    cases = [(name, pp, m) for name in ("zb-h1", "zb-v") for pp in (2, 3, 4, 8)
+             for m in sorted({pp, 2 * pp - 1, 2 * pp, 3 * pp, 4 * pp})]
+    for name, pp, m in cases:
         v = 2 if name == "zb-v" else 1
         for f, b, w in costs:
             args = (name, pp, v, m, f / v, b / v, w / v)
