@@ -2,7 +2,7 @@
 
     python benchmarks/compare.py [--rows dp-zero1,dp-zero2,pp2,pp4,tp2,pp2-dp2-zero1,pp2-dp4-zero1,3d,
                                          pp2-zb-h1,pp2-zb-v,pp4-zb-h1,pp4-zb-v]
-                                 [--steps 6] [--rounds 2] [--warmup 2] [--out table.md]
+                                 [--steps 6] [--rounds 2] [--warmup 2] [--zb-layers 8] [--out table.md]
 
 Every row trains the same Llama (the ``debug`` preset: 4 layers, dim 128, vocab 2048,
 from the trainer's seed) for ``--steps`` optimizer steps of 8 sequences x 128 tokens
@@ -16,10 +16,13 @@ side: the median step time (a step lasts as long as its slowest rank; the first
 largest rank (see ``_common.PeakMemory``), the final loss, and parallel3d / peer.
 
 The zero-bubble rows (``pp*-zb-*``) run m = 2 pp micro-batches (of 2 sequences at pp 2,
-of 1 at pp 4) of the debug model with 8 layers (with its 4, zb-v's 4 chunks at pp 2 have
-one layer each and rank 0, holding the embedding's and the head's, carries 3.4 layers'
-work against rank 1's 2; with 8 the split rule balances the ranks at pp 2, not at pp 4,
-where each of the 8 chunks still has one layer) against torch's
+of 1 at pp 4) of the debug model with ``--zb-layers`` layers (default 8; with 4, zb-v's 4
+chunks at pp 2 have one layer each and rank 0, holding the embedding's and the head's,
+carries 3.4 layers' work against rank 1's 2). The head weighs about 1.1 layers on this
+CPU (1.42 by GEMM FLOPs, which the split rule counts), so with 8 layers at pp 2 one rank
+carries about a fifth more than the other in every schedule (1F1B's stages 5 and 3 + the
+head; zb-v's ranks 2 + 1 + the head and 5), and with 9 they balance (5 and 4 + the head;
+3 + 1 + the head and 5); at pp 4 each of zb-v's 8 chunks has one layer either way) against torch's
 ``Schedule1F1B`` (pp stages), ``ScheduleZBVZeroBubble`` (2 pp chunks in zb-v's V) and
 ``ScheduleInterleavedZeroBubble`` (2 pp chunks, interleaved), all cut by our split rule,
 and against our own 1F1B on the same stages and batches (what the schedule gains, apart
@@ -127,6 +130,8 @@ class Pools:
 
 def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _common.Side, _common.Side]]:
     job_kw = {"seq_len": args.seq_len, **row.job}
+    if "-zb-" in name:
+        job_kw["model"] = {**job_kw["model"], "n_layers": args.zb_layers}
     tokens = 8 * args.seq_len
     ours_runs, peer_runs, errors = [], {p[0]: [] for p in row.peers}, {}
     for _ in range(args.rounds):
@@ -222,7 +227,8 @@ def header(args) -> str:
     dev = (torch.cuda.get_device_name() if torch.cuda.is_available()
            else f"{os.cpu_count()}-core CPU ({platform.processor() or platform.machine()}), gloo, 1 thread per rank")
     return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {dev}; torch {torch.__version__}, "
-            f"deepspeed {ds}; debug preset, 8 x {args.seq_len} tokens per step, {args.steps} steps, "
+            f"deepspeed {ds}; debug preset ({args.zb_layers} layers in the zero-bubble rows), "
+            f"8 x {args.seq_len} tokens per step, {args.steps} steps, "
             f"{args.rounds} alternating rounds, median over steps after the first {args.warmup}")
 
 
@@ -233,6 +239,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--zb-layers", type=int, default=8,
+                        help="layers of the zero-bubble rows' model (9: its two stages balance at pp 2)")
     parser.add_argument("--out", help="also write the markdown table here")
     args = parser.parse_args()
     import torch
