@@ -69,7 +69,12 @@ class DeferredWeightGrads:
         work, self.work = self.work, []
         params, grads, held, flushed = [], [], 0, set()
         for fn in work:
-            for p, g in fn():
+            # Outside a backward pass grad mode is on: the GEMMs on the saved inputs (which
+            # require grad) would record a graph nobody differentiates, and an in-place add
+            # into an fp32 main_grad would be refused.
+            with torch.no_grad():
+                pairs = fn()
+            for p, g in pairs:
                 if g is not None:
                     # a parameter whose gradients land in two groups would be counted
                     # twice by the hooks (ZeRO's expect one per micro-batch and chunk)

@@ -413,3 +413,24 @@ def test_a_step_closes_with_one_world_all_reduce(pools, corpus_dir, tmp_path):
         assert not out["first_done_before"] and out["first_done"], rank  # completed by step 2's sums
         assert not out["second_done"] and out["second_done_after_finish"], rank
         assert 0.0 < out["bubble"] < 1.0, (rank, out["bubble"])
+
+
+def _train_losses(job: dict) -> list[float]:
+    return [h["loss"] for h in _train(job)["history"]]
+
+
+def test_zero_bubble_in_bf16_trains_as_1f1b_at_tp2_pp2(pools, corpus_dir, tmp_path):
+    """The GPU default's path under a split backward: bf16 parameters, ZeRO-1's fp32
+    gradient buffer, the tensor-parallel GEMMs adding their weight gradients into its
+    fp32 main_grad views inside the W (the first chunk inside its undivided B), the
+    norms' and embeddings' bf16 gradients added into it by the hooks. zb-v at tp 2 x pp 2
+    runs the same bf16 operations on the same values as 1F1B at that layout, each weight
+    gradient reaching the fp32 buffer in the same micro-batch order: the losses of 10
+    steps are the same numbers."""
+    runs = {}
+    for schedule, v in (("1f1b", 1), ("zb-v", 2)):
+        job = _job(corpus_dir, str(tmp_path / schedule), 4, schedule=schedule, pp=2, tp=2, zero=1,
+                   virtual_stages=v)
+        job["train"]["dtype"] = "bf16"
+        runs[schedule] = pools(4).run(_train_losses, job)
+    assert all(losses == runs["1f1b"][0] for losses in runs["1f1b"] + runs["zb-v"]), runs
