@@ -95,8 +95,9 @@ def run_ours(layout: dict, steps: int, memory_run: bool = False, **job_kw) -> Ru
             run.losses.append(record["loss"])
             spans = trainer.schedule.timeline.step_spans()
             run.extra.setdefault("breakdown", []).append({**step_breakdown(spans, dt), "step": dt})
-            if cfg.parallel.pp > 1:  # from the end of this rank's last backward
-                run.extra.setdefault("tail", []).append(dt - max(t1 for cat, _, t1 in spans if cat == "backward"))
+            if cfg.parallel.pp > 1:  # from the end of this rank's last backward (B or W)
+                run.extra.setdefault("tail", []).append(
+                    dt - max(t1 for cat, _, t1 in spans if cat in ("backward", "weight")))
         trainer.finish_records()  # the last step's per-rank figures (the bubble), untimed
         run.extra["bubble_fraction"] = [r["bubble_fraction"] for r in records]
     run.peak = mem.peak
