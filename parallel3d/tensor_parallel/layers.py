@@ -15,7 +15,7 @@ know (the gradient sync below, the global grad norm, ZeRO, checkpoints):
                         replicated norm weight)
     p.p3d_tp_partial_grad  True if each holder's gradient is a partial sum that must be
                         summed over the ``p3d_tp_shared`` holders before the optimizer
-                        (see :func:`sync_tensor_parallel_grads`)
+                        (:mod:`parallel3d.tensor_parallel.grad_sync`)
     p.p3d_norm_owner    False on all holders of a shared parameter but the first, so
                         ``global_grad_norm`` counts it once
 
