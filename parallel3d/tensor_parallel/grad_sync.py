@@ -45,7 +45,7 @@ def sum_over_tp_holders(pieces: list[tuple[torch.Tensor, int]], topo) -> None:
     it. ``pieces`` pairs a gradient (or any piece of one, such as a ZeRO shard's slice of
     it: every tp rank must pass pieces of the same shapes in the same order) with its
     ``p3d_tp_shared``."""
-    if topo.tp == 1 or topo.tp_group is None or not pieces:
+    if topo.tp_group is None or not pieces:  # tp = 1 (or no process groups: a dry run)
         return
     by_shared: dict[int, list[torch.Tensor]] = defaultdict(list)
     for g, shared in pieces:

@@ -99,7 +99,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         # stage 0: every dp rank holds the whole state (one "shard" of the whole layout)
         self.shards_over_dp = stage > 0
         self.shard_dp, self.shard_rank = (topo.dp, topo.dp_rank) if stage > 0 else (1, 0)
-        self.dp_group = topo.dp_group if topo.dp > 1 else None
+        self.dp_group = topo.dp_group  # None at dp = 1
         meta = self.params[0].is_meta
         if meta and (model is None or device is None):
             raise ValueError("meta parameters need the model they belong to and a device")
