@@ -120,12 +120,13 @@ class Topology:
         topo.world_group                            # every rank (None with one)
         topo.prev_rank, topo.next_rank              # pipeline neighbours (None at the ends)
 
-    An axis that is off has no group: a group of one rank would be None (tp, pp or dp of
-    degree 1; mp at tp = pp = 1; embed at pp = 1; world at one rank), and every user treats
-    None as "nothing to communicate" (``parallel3d.distributed.all_reduce``, the
-    ``tensor_parallel.comm`` pairs, ZeRO's reductions). Never hand a group to a
-    ``torch.distributed`` call without that check: there ``group=None`` means the whole world.
-    So 1x1x8 creates one group (dp) where a group per axis and rank would make 25.
+    An axis that is off has no group: the group is None for tp, pp or dp of degree 1, mp
+    at tp = pp = 1, embed at pp = 1 (and on the middle stages, which hold no embedding),
+    world with one rank. Every user treats None as "nothing to communicate"
+    (``parallel3d.distributed.all_reduce``, the ``tensor_parallel.comm`` pairs, ZeRO's
+    reductions); never hand a group to a ``torch.distributed`` call without that check,
+    where ``group=None`` means the whole world. So 1x1x8 creates one group (dp), not the
+    25 that a group per rank for each axis of degree 1 would make.
 
     ``Topology.single()`` gives a 1x1x1 topology without any process group (tests and
     single-process use).
