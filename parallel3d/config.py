@@ -3,9 +3,9 @@
 A recipe is a TOML file whose tables match the sections below (``[parallel]``,
 ``[train]``, ...). Command-line overrides use dotted keys (``--parallel.tp=2``); their
 values are parsed as TOML literals, so ``--train.lr=3e-4`` is a float and
-``--parallel.pp_layers=[2,2]`` a list. Unknown keys and wrong types raise
-:class:`~parallel3d.errors.UserError` with a did-you-mean. Each component receives only
-its own section.
+``--parallel.pp_layers=[2,2]`` a list. Unknown keys, wrong types and values outside a
+fixed choice (a ``Literal`` field) raise :class:`~parallel3d.errors.UserError` in one line,
+with a did-you-mean. Each component receives only its own section.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,6 +24,21 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from parallel3d.errors import UserError, did_you_mean
+
+# Fixed choices. Loading refuses any other value in one line with the allowed ones (and a
+# did-you-mean), so the code dispatching on a choice needs no check of its own; the
+# tables it dispatches through must hold exactly these values (tests/test_config.py).
+Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]  # pipeline.schedules.SCHEDULES
+LinearBackend = Literal["auto", "triton", "torch"]  # kernels.gemm.BACKENDS
+ZeroStage = Literal[0, 1, 2]
+Dtype = Literal["auto", "fp32", "bf16"]  # train.optim.STORAGE_DTYPES
+Recompute = Literal["none", "full", "selective"]  # parallelize.RECOMPUTE, flops.RECOMPUTE_FLOPS
+DataSource = Literal["stdlib", "prepared"]
+Packing = Literal["auto", "concat", "documents", "whole"]  # data.packing.PACKINGS
+Backend = Literal["auto", "nccl", "gloo"]
+HostMemory = Literal["fast", "tight", "libc"]  # distributed.HOST_MEMORY
+AutoOnOff = Literal["auto", "on", "off"]
+OnNonfinite = Literal["skip", "stop"]
 
 
 @dataclass
@@ -62,15 +77,15 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # GEMM of the tensor-parallel layers: torch, triton, or auto (torch on CPU; on CUDA Triton
     # only for the GEMM shapes rank 0 measured at least as fast as cuBLAS).
-    linear_backend: str = "auto"
+    linear_backend: LinearBackend = "auto"
     # pipeline schedule: gpipe, 1f1b, interleaved, or the zero-bubble zb-h1 and zb-v
     # (backward split into input and weight gradients, the latter filling the bubble)
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2, zb-v 2)
     pp_layers: list[int] | None = None  # layers per chunk, by hand; default: the balanced rule
     # ZeRO: 0 replicates optimizer state; 1 shards it (fp32 master weights and Adam
     # moments) over the dp ranks; 2 also shards the gradients.
-    zero: int = 0
+    zero: ZeroStage = 0
     offload_optimizer: bool = False  # zero >= 1: master weights, moments and the Adam step on CPU
     bucket_mb: float = 25.0  # zero >= 1: fp32 gradient bucket size for reduce-scatter/all-gather
 
@@ -90,11 +105,11 @@ class TrainConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global L2 norm; 0 disables clipping
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
+    dtype: Dtype = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or fp32 / bf16
     log_interval: int = 1
     # activation recomputation: none; full (each transformer layer re-run in backward);
     # selective (keep the matmul outputs, recompute attention and element-wise ops)
-    recompute: str = "none"
+    recompute: Recompute = "none"
     # Measure the job, fit the planner's terms to it and move it to a layout predicted
     # faster, inside the running processes ([autopilot], parallel3d/autopilot).
     autopilot: bool = False
@@ -105,7 +120,7 @@ class DataConfig:
     # "stdlib": the running Python's standard-library sources, tokenized with a byte-level
     # BPE trained on them (every machine has this corpus). "prepared": data.path is
     # required (fine-tuning: never fall back to the demo corpus).
-    source: str = "stdlib"
+    source: DataSource = "stdlib"
     max_bytes: int = 8_000_000  # how much of the corpus to read
     vocab_size: int = 2048  # BPE vocabulary trained on the corpus
     cache_dir: str = ""  # default: ~/.cache/parallel3d
@@ -119,7 +134,7 @@ class DataConfig:
     # stream, attention across documents), "documents" (the same windows, positions and
     # attention per document), "whole" (whole documents packed and padded, positions and
     # attention per document); "auto": "whole" for chat data, "concat" for plain text.
-    packing: str = "auto"
+    packing: Packing = "auto"
 
 
 @dataclass
@@ -132,9 +147,9 @@ class EvalConfig:
 class LaunchConfig:
     nproc: int = 1  # worker processes per node when not already under torchrun
     nnodes: int = 1  # nodes of the job: the world size is nnodes * nproc
-    backend: str = "auto"  # auto: nccl on CUDA, gloo on CPU
+    backend: Backend = "auto"  # auto: nccl on CUDA, gloo on CPU
     threads_per_proc: int = 0  # 0: cores / local processes
-    host_memory: str = "fast"  # CPU: fast, tight (resident memory follows the tensors), libc
+    host_memory: HostMemory = "fast"  # CPU: fast, tight (resident memory follows the tensors), libc
 
 
 @dataclass
@@ -158,7 +173,7 @@ class CheckpointConfig:
 
 @dataclass
 class ObservabilityConfig:
-    progress: str = "auto"  # rank 0's live progress bar: auto (when stdout is a terminal), on, off
+    progress: AutoOnOff = "auto"  # rank 0's live progress bar: auto (when stdout is a terminal), on, off
     straggler_factor: float = 1.2  # warn about a rank busier than this times the median rank
     straggler_interval: int = 10  # compare the ranks' step times every N steps (0: never)
     tensorboard: bool = False  # also log to RUN_DIR/tensorboard (needs the tensorboard package)
@@ -175,12 +190,12 @@ class ReliabilityConfig:
     heartbeat_s: float = 5.0  # how often each rank writes (step, operation) to the store
     # A non-finite loss or gradient norm: "skip" drops the update (counted, logged) and
     # goes on; "stop" saves through the checkpoint hook and exits with status 3.
-    on_nonfinite: str = "skip"
+    on_nonfinite: OnNonfinite = "skip"
     spike_factor: float = 3.0  # log a loss above this multiple of the recent mean (0: off)
     spike_window: int = 20  # how many recent steps make that mean
     # A thread that reports and exits when this rank made no progress for comm_timeout_s:
     # auto (on for NCCL, whose own watchdog would kill the process without a report), on, off.
-    watchdog: str = "auto"
+    watchdog: AutoOnOff = "auto"
 
 
 @dataclass
@@ -228,9 +243,22 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
+def _choice(value: Any, choices: tuple, where: str) -> Any:
+    """``value`` if it is one of ``choices`` (of the same type: ``true`` is not 1), else a
+    :class:`UserError` naming the key and the choices, with a did-you-mean for a string."""
+    if any(type(value) is type(c) and value == c for c in choices):
+        return value
+    names = [str(c) for c in choices]
+    strings = isinstance(value, str) and all(isinstance(c, str) for c in choices)
+    hint = did_you_mean(value, names) if strings else ""
+    raise UserError(f"{where} {value!r} is not supported{hint}: use {', '.join(names)}")
+
+
 def _coerce(value: Any, tp, where: str) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        return _choice(value, typing.get_args(tp), where)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:

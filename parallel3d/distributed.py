@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from parallel3d.config import Backend, HostMemory
 from parallel3d.errors import UserError
 
 
@@ -32,11 +33,9 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def pick_backend(requested: str) -> str:
+def pick_backend(requested: Backend) -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested not in ("nccl", "gloo"):
-        raise UserError(f"launch.backend '{requested}' is not supported: use auto, nccl or gloo")
     if requested == "nccl" and not torch.cuda.is_available():
         raise UserError("launch.backend 'nccl' needs CUDA devices: use gloo (or auto) on CPU")
     return requested
@@ -141,7 +140,7 @@ def set_cpu_threads(threads_per_proc: int) -> None:
 HOST_MEMORY = {"fast": (4 * 2**20, 16 * 2**20), "tight": (128 * 2**10, None), "libc": (None, None)}
 
 
-def set_host_allocator(mode: str) -> bool:
+def set_host_allocator(mode: HostMemory) -> bool:
     """Apply ``launch.host_memory`` (:data:`HOST_MEMORY`) to this process's C allocator;
     returns whether it applied (``libc`` and other C libraries than glibc: not). CPU only:
     on GPU, host memory holds little of the step."""

@@ -26,6 +26,8 @@ forward runs twice (the head does not: it is outside the recomputed layers); wit
 
 from __future__ import annotations
 
+from parallel3d.config import Recompute
+
 
 def layer_matmul_params(cfg) -> int:
     """Weights of one decoder layer that take part in a matrix product."""
@@ -34,9 +36,14 @@ def layer_matmul_params(cfg) -> int:
     return 2 * cfg.dim * q + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim
 
 
+def attention_flops_per_token(cfg, seq_len: int) -> int:
+    """Forward FLOPs of one layer's attention products (scores and their product with V)."""
+    return 4 * seq_len * cfg.n_heads * cfg.head_dim
+
+
 def layer_forward_flops_per_token(cfg, seq_len: int) -> int:
     """Forward FLOPs of one decoder layer per token: projections plus full attention."""
-    return 2 * layer_matmul_params(cfg) + 4 * seq_len * cfg.n_heads * cfg.head_dim
+    return 2 * layer_matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
 
 
 def head_forward_flops_per_token(cfg) -> int:
@@ -50,18 +57,17 @@ def model_flops_per_token(cfg, seq_len: int) -> int:
     return 3 * forward
 
 
-def recompute_flops_per_token(cfg, seq_len: int, recompute: str) -> int:
-    """FLOPs re-run in the backward pass per token by ``recompute`` (none/full/selective)."""
-    if recompute == "none":
-        return 0
-    if recompute == "full":
-        return cfg.n_layers * layer_forward_flops_per_token(cfg, seq_len)
-    if recompute == "selective":
-        return cfg.n_layers * 4 * seq_len * cfg.n_heads * cfg.head_dim
-    raise ValueError(f"unknown recompute mode {recompute!r}")
+# What each ``train.recompute`` mode re-runs of a layer in the backward pass, per token.
+RECOMPUTE_FLOPS = {"none": lambda cfg, seq_len: 0, "full": layer_forward_flops_per_token,
+                   "selective": attention_flops_per_token}
 
 
-def hardware_flops_per_token(cfg, seq_len: int, recompute: str = "none") -> int:
+def recompute_flops_per_token(cfg, seq_len: int, recompute: Recompute) -> int:
+    """FLOPs re-run in the backward pass per token by ``recompute``."""
+    return cfg.n_layers * RECOMPUTE_FLOPS[recompute](cfg, seq_len)
+
+
+def hardware_flops_per_token(cfg, seq_len: int, recompute: Recompute = "none") -> int:
     """Training FLOPs per token that the GPUs actually execute (recomputation included)."""
     return model_flops_per_token(cfg, seq_len) + recompute_flops_per_token(cfg, seq_len, recompute)
 

@@ -120,8 +120,16 @@ class Topology:
         topo.world_group                            # every rank (None with one)
         topo.prev_rank, topo.next_rank              # pipeline neighbours (None at the ends)
 
+    An axis that is off has no group: the group is None for tp, pp or dp of degree 1, mp
+    at tp = pp = 1, embed at pp = 1 (and on the middle stages, which hold no embedding),
+    world with one rank. Every user treats None as "nothing to communicate"
+    (``parallel3d.distributed.all_reduce``, the ``tensor_parallel.comm`` pairs, ZeRO's
+    reductions); never hand a group to a ``torch.distributed`` call without that check,
+    where ``group=None`` means the whole world. So 1x1x8 creates one group (dp), not the
+    25 that a group per rank for each axis of degree 1 would make.
+
     ``Topology.single()`` gives a 1x1x1 topology without any process group (tests and
-    single-process use); its groups are None and collectives on them are skipped.
+    single-process use).
     """
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, *, rank: int | None = None,
@@ -160,17 +168,23 @@ class Topology:
 
     def _create_groups(self, dist) -> None:
         # Every rank must create every group in the same order (new_group is collective
-        # over the whole world); each rank keeps the one that contains it.
+        # over the whole world); each rank keeps the one that contains it. The sequence
+        # depends on the degrees alone, so every rank makes the same calls.
         from datetime import timedelta
 
         timeout = timedelta(seconds=self.timeout_s) if self.timeout_s else None
         self.world_group = dist.group.WORLD
-        axes = ("tp", "dp", "pp", "mp") + (("embed",) if self.pp > 1 else ())
-        for axis in axes:
+        for axis in self.grouped_axes():
             for ranks in self.grid.all_groups(axis):
                 group = dist.new_group(ranks, timeout=timeout)
                 if self.rank in ranks:
                     setattr(self, f"{axis}_group", group)
+
+    def grouped_axes(self) -> tuple[str, ...]:
+        """The axes whose groups have more than one rank, in creation order."""
+        sizes = {"tp": self.tp, "dp": self.dp, "pp": self.pp, "mp": self.tp * self.pp,
+                 "embed": 2 if self.pp > 1 else 1}
+        return tuple(axis for axis, size in sizes.items() if size > 1)
 
     # -- degrees -------------------------------------------------------------------------
     @property

@@ -61,3 +61,68 @@ def test_missing_and_invalid_recipe(tmp_path):
 
 def test_parse_overrides_nests():
     assert parse_overrides(["--a.b.c=1", "--a.d='x'"]) == {"a": {"b": {"c": 1}, "d": "x"}}
+
+
+def test_a_misspelt_choice_is_one_line_with_the_nearest_value_and_all_allowed(capsys):
+    from parallel3d.cli import main
+
+    assert main(["train", "--parallel.schedule=1fb1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].endswith("parallel.schedule '1fb1' is not supported (did you mean '1f1b'?): "
+                             "use gpipe, 1f1b, interleaved, zb-h1, zb-v"), lines
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--train.recompute=ful"], "train.recompute 'ful' is not supported (did you mean 'full'?): "
+                                "use none, full, selective"),
+    (["--parallel.zero=3"], "parallel.zero 3 is not supported: use 0, 1, 2"),
+    (["--parallel.zero=true"], "parallel.zero True is not supported"),  # a bool is not the int 1
+    (["--parallel.zero='1'"], "parallel.zero '1' is not supported: use 0, 1, 2"),
+    (["--observability.progress=yes"], "observability.progress 'yes' is not supported: use auto, on, off"),
+])
+def test_choices_are_checked_as_the_config_loads(args, message):
+    with pytest.raises(UserError) as e:
+        load_config(None, args)
+    assert str(e.value) == message or str(e.value).startswith(message), str(e.value)
+    assert load_config(None, ["--parallel.zero=2"]).parallel.zero == 2
+
+
+def _choice_fields(cls=None, where=""):
+    """(dotted key, allowed values) of every Literal field of the job config."""
+    import dataclasses
+    import typing
+
+    from parallel3d.config import JobConfig
+
+    cls = cls or JobConfig
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _choice_fields(tp, f"{f.name}.")
+        elif typing.get_origin(tp) is typing.Literal:
+            yield f"{where}{f.name}", set(typing.get_args(tp))
+
+
+def test_each_choice_is_what_the_code_dispatching_on_it_handles():
+    """The allowed values of a choice are the keys of the table the code looks them up in,
+    so neither can gain a value the other lacks."""
+    from parallel3d.distributed import HOST_MEMORY
+    from parallel3d.data.packing import PACKINGS
+    from parallel3d.flops import RECOMPUTE_FLOPS
+    from parallel3d.kernels.gemm import BACKENDS
+    from parallel3d.models.llama.parallelize import RECOMPUTE
+    from parallel3d.pipeline.schedules import SCHEDULES
+    from parallel3d.train.optim import STORAGE_DTYPES
+
+    tables = {"parallel.schedule": [SCHEDULES], "parallel.linear_backend": [BACKENDS],
+              "train.recompute": [RECOMPUTE, RECOMPUTE_FLOPS], "train.dtype": [STORAGE_DTYPES],
+              "data.packing": [PACKINGS], "launch.host_memory": [HOST_MEMORY]}
+    # dispatched by comparing with one or two of the values, not through a table
+    branches = {"parallel.zero", "data.source", "launch.backend", "observability.progress",
+                "reliability.on_nonfinite", "reliability.watchdog"}
+    fields = dict(_choice_fields())
+    assert set(fields) == set(tables) | branches, set(fields) ^ (set(tables) | branches)
+    for key, found in tables.items():
+        for table in found:
+            assert set(table) == fields[key], (key, set(table), fields[key])

@@ -142,7 +142,7 @@ def test_a_slowed_rank_is_named_with_its_coordinates(pools, corpus_dir, tmp_path
 def test_bad_observability_keys_are_refused(corpus_dir, tmp_path):
     import importlib.util
 
-    cases = [("straggler_factor", 0.9, "must be above 1"), ("progress", "sometimes", "use auto, on or off")]
+    cases = [("straggler_factor", 0.9, "must be above 1"), ("progress", "sometimes", "use auto, on, off")]
     if importlib.util.find_spec("tensorboard") is None:
         cases.append(("tensorboard", True, "needs the tensorboard package: pip install tensorboard"))
     for key, value, message in cases:

@@ -123,3 +123,41 @@ def test_real_process_groups_on_8_gloo_ranks(pools, layout):
         assert got["coords"] == COORDS[layout][rank]
         for axis in ("tp", "dp", "pp", "mp"):
             assert got[axis] == _group_of(GRIDS[layout][axis], rank), (axis, rank)
+
+
+# (tp, pp, dp) -> how many groups Topology creates (one per group of more than one rank,
+# from GRIDS: tp, dp, pp, mp, and the embedding groups when pp > 1) and the axes with none.
+GROUPS_MADE = {
+    (1, 1, 8): (1, {"tp", "pp", "mp", "embed"}),  # dp [0..7]; it made 25 with singletons
+    (2, 2, 2): (4 + 4 + 4 + 2 + 4, set()),
+    (8, 1, 1): (1 + 1, {"dp", "pp", "embed"}),  # tp and mp, both [0..7]
+    (2, 4, 1): (4 + 2 + 1 + 2, {"dp"}),
+    (4, 1, 2): (2 + 4 + 2, {"pp", "embed"}),
+}
+
+
+def _groups_made(tp: int, pp: int, dp: int) -> dict:
+    made, new_group = [], dist.new_group
+
+    def counting(*args, **kwargs):
+        made.append(args[0] if args else kwargs["ranks"])
+        return new_group(*args, **kwargs)
+
+    dist.new_group = counting
+    try:
+        topo = Topology(tp, pp, dp)
+    finally:
+        dist.new_group = new_group
+    axes = ("tp", "dp", "pp", "mp", "embed")
+    return {"made": made, "none": {a for a in axes if getattr(topo, f"{a}_group") is None}}
+
+
+@pytest.mark.parametrize("layout", list(GROUPS_MADE))
+def test_an_axis_of_degree_1_has_no_group_and_every_rank_makes_the_same_calls(pools, layout):
+    count, none = GROUPS_MADE[layout]
+    results = pools(8).run(_groups_made, *layout)
+    assert all(len(r["made"]) == count and all(len(ranks) > 1 for ranks in r["made"]) for r in results)
+    assert all(r["made"] == results[0]["made"] for r in results)  # new_group is collective
+    for rank, r in enumerate(results):  # a middle stage holds no embedding either
+        middle = 0 < COORDS[layout][rank][1] < layout[1] - 1
+        assert r["none"] == none | ({"embed"} if middle else set()), (rank, r["none"])

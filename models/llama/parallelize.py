@@ -38,6 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
+from parallel3d.config import Recompute
 from parallel3d.errors import UserError
 from parallel3d.kernels import gemm  # noqa: F401 - registers torch.ops.parallel3d.linear_*
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
@@ -347,7 +348,13 @@ def _recomputed_forward(forward, context_fn, *args, **kwargs):
     return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def apply_recompute(model: Llama, mode: str) -> Llama:
+# ``train.recompute`` -> the checkpoint context of each layer's recomputed forward
+# (None: no recomputation).
+RECOMPUTE = {"none": None, "full": noop_context_fn,
+             "selective": partial(create_selective_checkpoint_contexts, _keep_matmul_outputs)}
+
+
+def apply_recompute(model: Llama, mode: Recompute) -> Llama:
     """Activation recomputation on each decoder layer this rank holds (in place).
 
     ``full``: a layer keeps only its input and re-runs its whole forward in the backward
@@ -355,12 +362,9 @@ def apply_recompute(model: Llama, mode: str) -> Llama:
     selective activation checkpointing with :func:`_keep_matmul_outputs` as policy).
     Either way the gradients are those of ``none``: the same ops on the same inputs.
     """
-    if mode == "none":
+    context_fn = RECOMPUTE[mode]
+    if context_fn is None:
         return model
-    if mode not in ("full", "selective"):
-        raise UserError(f"train.recompute '{mode}' is not supported: use none, full or selective")
-    context_fn = (partial(create_selective_checkpoint_contexts, _keep_matmul_outputs)
-                  if mode == "selective" else noop_context_fn)
     for layer in model.layers.values():
         if getattr(layer, "p3d_recompute", None) is not None:
             raise ValueError(f"recompute already applied ({layer.p3d_recompute})")

@@ -100,9 +100,9 @@ def prepare_stdlib(cfg: DataConfig, out=_say) -> PreparedDataset:
     from parallel3d.data.prepare import (Progress, check_options, load_tokenizer,
                                          tokenize_to_shards)
 
-    if cfg.source != "stdlib":
-        raise UserError(f"data.source '{cfg.source}' is not supported: use 'stdlib', or set "
-                        "data.path to a dataset made by `parallel3d prepare-data`")
+    if cfg.source == "prepared":
+        raise UserError("data.source 'prepared' needs data.path: set it to a dataset made by "
+                        "`parallel3d prepare-data`")
     if cfg.vocab_size < 257:
         raise UserError(f"data.vocab_size {cfg.vocab_size} is too small for a byte-level BPE "
                         "(needs at least 257: 256 bytes plus EOS)")

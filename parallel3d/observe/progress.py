@@ -17,15 +17,12 @@ import statistics
 import sys
 import time
 
-from parallel3d.errors import UserError
+from parallel3d.config import AutoOnOff
 
-MODES = ("auto", "on", "off")
 GiB = 2**30
 
 
-def wants_bar(mode: str, stream=None) -> bool:
-    if mode not in MODES:
-        raise UserError(f"observability.progress '{mode}' is not supported: use auto, on or off")
+def wants_bar(mode: AutoOnOff, stream=None) -> bool:
     stream = stream or sys.stdout
     return mode == "on" or (mode == "auto" and stream.isatty())
 

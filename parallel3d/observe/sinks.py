@@ -10,11 +10,8 @@ from parallel3d.errors import UserError
 
 
 def check_observability(obs) -> None:
-    """Every ``[observability]`` key, checked before any worker starts."""
-    from parallel3d.observe.progress import MODES
-
-    if obs.progress not in MODES:
-        raise UserError(f"observability.progress '{obs.progress}' is not supported: use auto, on or off")
+    """The ``[observability]`` values that their types do not settle, checked before any
+    worker starts."""
     if obs.straggler_factor <= 1.0:
         raise UserError(f"observability.straggler_factor must be above 1 (a multiple of the median "
                         f"rank's busy time), got {obs.straggler_factor}")

@@ -36,6 +36,8 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from parallel3d.config import AutoOnOff
+
 _KEY = "p3d/heartbeat/{}"
 _COMM_ERROR_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection closed",
                      "connection reset", "broken pipe", "peer", "socket")
@@ -98,7 +100,7 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-def wants_watchdog(setting: str, backend: str) -> bool:
+def wants_watchdog(setting: AutoOnOff, backend: str) -> bool:
     """``reliability.watchdog``: on, off, or auto (on for NCCL, whose failures never reach
     Python as exceptions in time; gloo's collectives raise, and the worker reports)."""
     return setting == "on" or (setting == "auto" and backend != "gloo")

@@ -8,11 +8,13 @@ of the batch's gradient on each (marked ``p.p3d_tp_partial_grad`` by the layers)
 * kv-head projections replicated over ``p3d_tp_shared`` consecutive ranks (tp greater
   than n_kv_heads): each holder's query heads contribute a part of the gradient.
 
-:func:`sync_tensor_parallel_grads` sums those parts, once per optimizer step after the
-last backward (the optimizer calls it: it owns every gradient reduction; the sharded
-optimizer sums the same parts on its reduced gradient shard instead) (gradient accumulation sums the micro-batches first, so one collective per
-step suffices). Parameters sharing the same ``p3d_tp_shared`` are flattened into one
-buffer: one all-reduce for all norm weights, one for all replicated kv projections.
+The optimizer (:class:`~parallel3d.zero.ZeroOptimizer`, every stage) sums those parts
+on its reduced gradient shard with :func:`sum_over_tp_holders`, once per step after the
+last backward (gradient accumulation has summed the micro-batches, so one collective per
+step suffices); :func:`sync_tensor_parallel_grads` does the same to ``p.grad`` for a loop
+without it (the tests' references). Parameters sharing the same ``p3d_tp_shared`` are
+flattened into one buffer: one all-reduce for all norm weights, one for all replicated kv
+projections.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def sum_over_tp_holders(pieces: list[tuple[torch.Tensor, int]], topo) -> None:
     it. ``pieces`` pairs a gradient (or any piece of one, such as a ZeRO shard's slice of
     it: every tp rank must pass pieces of the same shapes in the same order) with its
     ``p3d_tp_shared``."""
-    if topo.tp == 1 or topo.tp_group is None or not pieces:
+    if topo.tp_group is None or not pieces:  # tp = 1 (or no process groups: a dry run)
         return
     by_shared: dict[int, list[torch.Tensor]] = defaultdict(list)
     for g, shared in pieces:

@@ -15,7 +15,7 @@ know (the gradient sync below, the global grad norm, ZeRO, checkpoints):
                         replicated norm weight)
     p.p3d_tp_partial_grad  True if each holder's gradient is a partial sum that must be
                         summed over the ``p3d_tp_shared`` holders before the optimizer
-                        (see :func:`sync_tensor_parallel_grads`)
+                        (:mod:`parallel3d.tensor_parallel.grad_sync`)
     p.p3d_norm_owner    False on all holders of a shared parameter but the first, so
                         ``global_grad_norm`` counts it once
 
@@ -37,7 +37,7 @@ import math
 import torch
 from torch import nn
 
-from parallel3d.kernels.gemm import BACKENDS
+from parallel3d.config import LinearBackend
 
 from .column import SharedInput, column_parallel_forward
 from .comm import (gather_from_tp_region, group_rank, group_size, reduce_from_tp_region,
@@ -86,11 +86,6 @@ def tp_coords(group, tp: int | None, tp_rank: int | None) -> tuple[int, int]:
     return tp, tp_rank
 
 
-def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"linear backend '{backend}': expected one of {BACKENDS}")
-
-
 class ColumnParallelLinear(nn.Module):
     """``Y = X A^T + b`` with ``A`` split by output rows.
 
@@ -118,10 +113,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  rows: tuple[int, int] | None = None,
-                 shared: int = 1, backend: str = "auto", device=None, dtype=None,
+                 shared: int = 1, backend: LinearBackend = "auto", device=None, dtype=None,
                  tp: int | None = None, tp_rank: int | None = None):
         super().__init__()
-        _check_backend(backend)
         tp, tp_rank = tp_coords(group, tp, tp_rank)
         rows = rows or even_range(out_features, tp_rank, tp)
         if gather_output and (shared != 1 or rows != even_range(out_features, tp_rank, tp)):
@@ -197,10 +191,9 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, group, *, bias: bool = False,
                  input_is_parallel: bool = True, sequence_parallel: bool = False,
-                 backend: str = "auto", device=None, dtype=None,
+                 backend: LinearBackend = "auto", device=None, dtype=None,
                  tp: int | None = None, tp_rank: int | None = None):
         super().__init__()
-        _check_backend(backend)
         tp, tp_rank = tp_coords(group, tp, tp_rank)
         cols = even_range(in_features, tp_rank, tp)
         self.in_features, self.out_features = in_features, out_features

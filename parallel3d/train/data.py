@@ -81,8 +81,7 @@ class TrainData:
 
 
 def packing_of(cfg: DataConfig, dataset: PreparedDataset) -> str:
-    """``data.packing`` (checked by ``setup.check_data_source``) resolved for ``dataset``
-    ("auto": whole for chat data, else concat)."""
+    """``data.packing`` resolved for ``dataset`` ("auto": whole for chat data, else concat)."""
     packing = cfg.packing
     if packing == "auto":
         packing = "whole" if dataset.has_loss_mask else "concat"

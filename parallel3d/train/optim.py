@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from parallel3d.config import TrainConfig
+from parallel3d.config import Dtype, TrainConfig
 from parallel3d.grad_norm import applies_weight_decay
 from parallel3d.topology import Topology
 from parallel3d.zero import ZeroOptimizer
@@ -38,11 +38,18 @@ def param_groups(params: list[torch.nn.Parameter], weight_decay: float) -> list[
             {"params": no_decay, "weight_decay": 0.0}]
 
 
+# ``train.dtype`` -> the parameters' storage dtype; "auto" (None) depends on the device.
+STORAGE_DTYPES: dict[Dtype, torch.dtype | None] = {"auto": None, "fp32": torch.float32,
+                                                   "bf16": torch.bfloat16}
+
+
 def storage_dtype(train_cfg: TrainConfig, device: torch.device) -> torch.dtype:
     """The dtype parameters are stored in: bf16 with ``train.dtype`` bf16 (or auto on
     CUDA), fp32 otherwise. Under bf16 the optimizer keeps fp32 master weights."""
-    bf16 = train_cfg.dtype == "bf16" or (train_cfg.dtype == "auto" and device.type == "cuda")
-    return torch.bfloat16 if bf16 else torch.float32
+    chosen = STORAGE_DTYPES[train_cfg.dtype]
+    if chosen is None:
+        chosen = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return chosen
 
 
 def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology, model=None,

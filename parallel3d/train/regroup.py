@@ -6,8 +6,9 @@ from the same weights, and checkpoints reshard to any layout)::
     1. complete and write the step records; save a checkpoint of this step at the old
        layout (atomic: until its ``latest`` is written, the previous checkpoint stands)
     2. let go of the old trainer's data loader, metrics file and progress bar
-    3. build the new topology: every tp/pp/dp/mp group of the new layout (``new_group``
-       is collective over the world: every rank creates every group, in the same order)
+    3. build the new topology: every group of more than one rank of the new layout
+       (``new_group`` is collective over the world: every rank creates every group, in
+       the same order; an axis of degree 1 has none)
     4. build the new trainer on it, resuming from the checkpoint of step 1: model,
        optimizer state, LR schedule and data position, each rank reading its own slices
     5. destroy the old layout's groups
@@ -54,7 +55,7 @@ def _destroy_groups(topo: Topology, extra=()) -> None:
         return
     seen = set()
     for group in [getattr(topo, f"{a}_group") for a in ("tp", "dp", "pp", "mp", "embed")] + list(extra):
-        if group is None or group is dist.group.WORLD or id(group) in seen:
+        if group is None or group is dist.group.WORLD or id(group) in seen:  # None: axis off
             continue
         seen.add(id(group))
         dist.destroy_process_group(group)

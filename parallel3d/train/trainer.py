@@ -3,12 +3,12 @@
 It sees a model, a loss function, an optimizer, a micro-batch schedule and a topology; it
 never branches on which kinds of parallelism are on. One step::
 
-    micro_batches = loader.next()                       # this dp rank's share, prefetched
-    optimizer.begin_step(len(micro_batches))             # zero grads; reduce buckets as they fill
-    loss_part = schedule.run(micro_batches)              # forward + backward, grads summed
-    norm_share = optimizer.reduce_gradients()            # dp sync; this rank's share of |g|^2
-    norm, loss = one world all-reduce (norm share, loss share, last step's figures)
-    optimizer.apply(lr, norm)                            # global clip, AdamW
+    micro_batches, _ = loader.next()                # this dp rank's share, prefetched
+    optimizer.begin_step(len(micro_batches))        # zero grads; buckets reduce as they fill
+    loss_part = schedule.run(micro_batches, reduce_loss=False)  # forward + backward
+    norm_share = optimizer.reduce_gradients()       # dp sync, tp partial sums; share of |g|^2
+    norm, loss = _step_sums(norm_share, loss_part)  # the step's one world all-reduce
+    optimizer.apply(lr, norm, skip=not finite(loss))  # global clip, AdamW
 
 The schedule is the pipeline schedule (``parallel3d.pipeline``); with ``pp = 1`` it is the
 plain loop, forward and backward of each micro-batch in turn.
@@ -25,8 +25,8 @@ batch is consumed, the step number and the learning-rate schedule advance, the s
 counted in ``skipped_steps``) or stops (:class:`~parallel3d.reliability.TrainingStopped`,
 after calling ``on_stop(trainer)`` -- the checkpoint hook -- when one is set).
 
-The loss of a step is the mean over every token of the global batch: each micro-batch's
-mean is divided by the number of micro-batches, and the data-parallel ranks average.
+The loss of a step is the mean over the global batch's supervised tokens (plain text: each
+micro-batch's mean / micro-batches, dp ranks averaged; masked data: ``loss_divisor``).
 """
 
 from __future__ import annotations

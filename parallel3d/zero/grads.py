@@ -94,7 +94,7 @@ class GradReducer:
         self.params, self.layout, self.stage = params, layout, stage
         self.dp = topo.dp
         self.shard_rank = topo.dp_rank if stage > 0 else 0
-        self.group = topo.dp_group if topo.dp > 1 else None
+        self.group = topo.dp_group  # None at dp = 1: nothing to reduce
         self.trace: list | None = None
         self.on_issue = self.on_done = None
         self.full = None

@@ -30,11 +30,12 @@ groups; tensor parallelism shows only in the gradients several tp ranks hold par
 from __future__ import annotations
 
 import math
+import typing
 from functools import partial
 
 import torch
 
-from parallel3d.config import TrainConfig
+from parallel3d.config import TrainConfig, ZeroStage
 from parallel3d.distributed import all_gather_flat, all_reduce
 from parallel3d.grad_norm import (GlobalNormOptimizer, applies_weight_decay, clip_factor,
                                   counts_in_norm, norm_pieces, squared_norm)
@@ -83,12 +84,12 @@ class ZeroOptimizer(GlobalNormOptimizer):
             recorded (the trainer's step timeline).
     """
 
-    def __init__(self, params, cfg: TrainConfig, topo: Topology, *, stage: int = 1,
+    def __init__(self, params, cfg: TrainConfig, topo: Topology, *, stage: ZeroStage = 1,
                  bucket_mb: float = 25.0, offload: bool = False,
                  model: torch.nn.Module | None = None, timeline=None,
                  device: torch.device | None = None, dtype: torch.dtype | None = None):
-        if stage not in (0, 1, 2):
-            raise ValueError(f"ZeroOptimizer stage must be 0, 1 or 2, got {stage}")
+        if stage not in typing.get_args(ZeroStage):  # a caller other than the config's
+            raise ValueError(f"ZeroOptimizer stage must be one of {typing.get_args(ZeroStage)}, got {stage}")
         if offload and stage == 0:
             raise ValueError("the CPU-offloaded optimizer needs stage 1 or 2")
         self.params = _unique(params)
@@ -98,7 +99,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         # stage 0: every dp rank holds the whole state (one "shard" of the whole layout)
         self.shards_over_dp = stage > 0
         self.shard_dp, self.shard_rank = (topo.dp, topo.dp_rank) if stage > 0 else (1, 0)
-        self.dp_group = topo.dp_group if topo.dp > 1 else None
+        self.dp_group = topo.dp_group  # None at dp = 1
         meta = self.params[0].is_meta
         if meta and (model is None or device is None):
             raise ValueError("meta parameters need the model they belong to and a device")
