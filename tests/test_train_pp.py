@@ -434,3 +434,38 @@ def test_zero_bubble_in_bf16_trains_as_1f1b_at_tp2_pp2(pools, corpus_dir, tmp_pa
         job["train"]["dtype"] = "bf16"
         runs[schedule] = pools(4).run(_train_losses, job)
     assert all(losses == runs["1f1b"][0] for losses in runs["1f1b"] + runs["zb-v"]), runs
+
+
+def _first_stage_step_peak(job: dict, keep_outputs: bool) -> dict:
+    """Rank 0's high-water mark of tensor bytes created during its second step (1F1B,
+    pp 2), with the chunk outputs dropped once handed on, or kept (the runtime before)."""
+    from parallel3d.pipeline import runtime
+    from parallel3d.zero.memory import AllocationMeter
+
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
+    drop = runtime._drop_values
+    if keep_outputs:
+        runtime._drop_values = lambda out: None
+    try:
+        trainer.train_step()
+        with AllocationMeter() as meter:
+            trainer.train_step()
+    finally:
+        runtime._drop_values = drop
+    t = cfg.train
+    return {"peak": meter.peak, "alive": trainer.schedule.peak_alive,
+            "activation": t.micro_batch * t.seq_len * cfg.model.dim * 4}
+
+
+def test_a_stage_drops_its_outputs_once_handed_on(pools, corpus_dir, tmp_path):
+    """The first stage keeps up to pp micro-batches of activations for their backward,
+    but not their outputs: those are the next stage's (the send holds one until it is
+    done). Its peak is lower than with the outputs kept by about one output per
+    micro-batch alive (fp32, (micro_batch, seq, dim) each): at least all but the one
+    still in the send."""
+    job = _job(corpus_dir, str(tmp_path), 4, schedule="1f1b", pp=2)
+    dropped, kept = (pools(2).run(_first_stage_step_peak, job, keep)[0] for keep in (False, True))
+    assert dropped["alive"] == kept["alive"] == 2
+    saved = kept["peak"] - dropped["peak"]
+    assert saved >= (kept["alive"] - 1) * kept["activation"], (saved, kept, dropped)

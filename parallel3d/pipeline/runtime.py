@@ -68,6 +68,29 @@ def _micro_batch_loss(loss_fn, out, targets, divisor: float | None, n_micro: int
     return loss_fn(out, targets, divisor)
 
 
+_ENGINE = torch.autograd.Variable._execution_engine
+
+
+def _drop_values(out: torch.Tensor) -> None:
+    """Free a chunk's output once it is handed on (Megatron's ``deallocate_output_tensor``):
+    the next chunk (or the send, until it completes) holds the values, and the backward
+    needs only ``out``'s place in the graph. Its storage goes with the last holder; if
+    autograd saved the output for its own backward, that copy keeps it, so nothing it
+    reads changes."""
+    if out._base is None and out.numel() > 1:
+        out.data = torch.empty((0,), dtype=out.dtype, device=out.device)
+
+
+def _backward_from(out: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """``torch.autograd.backward(out, grad)`` for an ``out`` whose values were dropped
+    (its shape is no longer the gradient's): the engine checks the gradient against the
+    graph's record of the output instead."""
+    if grad is None:
+        torch.autograd.backward(out)  # the loss, a scalar kept whole
+    else:
+        _ENGINE.run_backward((out,), (grad,), False, False, (), True, True)
+
+
 @dataclass
 class _StepState:
     """What one step holds between actions, keyed by (kind, chunk, micro-batch)."""
@@ -222,6 +245,8 @@ class PipelineSchedule:
                 st.loss += out.detach().float()
         for msg in outputs_of(a, self.owners):
             (st.inbox if msg.local else st.outbox)[("act", a.chunk, a.mb)] = out.detach()
+        if not last:
+            _drop_values(out)
         st.stash[(a.chunk, a.mb)] = (x, out)
         st.alive.add((a.chunk, a.mb))
         self.peak_alive = max(self.peak_alive, len(st.alive))
@@ -237,7 +262,7 @@ class PipelineSchedule:
         with self.timeline.span(f"B{a.chunk}.{a.mb}", "backward", chunk=a.chunk, mb=a.mb,
                                 **({"with_weight": True} if whole else {})):
             with deferring(work):
-                torch.autograd.backward(out, grad_tensors=grad)
+                _backward_from(out, grad)
         if work is None:
             st.alive.discard((a.chunk, a.mb))
         else:
