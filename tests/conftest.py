@@ -7,6 +7,8 @@ import torch
 
 from parallel3d.testing import ProcessGroupPool
 
+from helpers import POOL_START
+
 
 @pytest.fixture(scope="module")
 def one_thread():
@@ -27,7 +29,7 @@ def pools():
 
     def get(world_size: int) -> ProcessGroupPool:
         if world_size not in started:
-            started[world_size] = ProcessGroupPool(world_size)
+            started[world_size] = ProcessGroupPool(world_size, start_method=POOL_START)
         return started[world_size]
 
     yield get
@@ -59,3 +61,4 @@ def prepared_dir(tmp_path_factory):
     prepare_data([str(root / "in")], tok, root / "data", workers=1, val_fraction=0.05,
                  shard_tokens=20_000, progress=False)
     return str(root / "data")
+

@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# How every gloo pool of the suite starts its workers: forked from one server process that
+# imported torch and the trainer once (parallel3d/testing.py). 8 spawned workers took
+# 16-20 s to start and 7-9 s to close on 2 loaded cores; 8 forked ones under 1 s each way.
+POOL_START = "forkserver"
+
 
 def tiny_job(corpus_dir: str, run_dir: str, **sections) -> dict:
     """Overrides for a fast debug-model run on the session corpus (fp32, CPU).

@@ -14,7 +14,7 @@ from parallel3d.testing import DistributedTestError, ProcessGroupPool
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import stall_rank_at, tiny_job
+from helpers import POOL_START, stall_rank_at, tiny_job
 
 
 def _stuck_run(job: dict, stall_rank: int, stall_step: int, stall_s: float) -> None:
@@ -39,7 +39,7 @@ def test_watchdog_reports_a_stuck_collective_before_the_backend_times_out(corpus
     # the groups' own timeout (what NCCL's watchdog would act on) is a minute away: only
     # our watchdog can end this within the test's time
     assert backend_timeout_s(True, timeout) >= timeout + 60
-    pool = ProcessGroupPool(4, timeout=90)
+    pool = ProcessGroupPool(4, timeout=90, start_method=POOL_START)
     reports = [tmp_path / f"failure_rank{r}.txt" for r in range(4)]
     seen: list[float] = []
 
