@@ -162,7 +162,9 @@ def layout3d(smoke: bool, work: Path, emit, budget_s: float = 100.0) -> None:
     from parallel3d.config import DataConfig
     prepare_stdlib(DataConfig(**DATA, cache_dir=str(work / "corpus")))
     reference = _train_rank(_layout_job({}, smoke, work, "auto", "1x1x1"), device)
-    pool = ProcessGroupPool(8, timeout=budget_s)
+    # --smoke forks the 8 CPU ranks from one server that imported torch once: spawning 8
+    # interpreters was most of the smoke section's time (start-up only; a GPU run spawns).
+    pool = ProcessGroupPool(8, timeout=budget_s, start_method="forkserver" if smoke else "spawn")
     try:
         ranks = pool.run(_train_rank, _layout_job(layout, smoke, work, backend, "2x2x2"), device)
     finally:

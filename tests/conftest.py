@@ -1,11 +1,19 @@
-"""Shared fixtures: a per-module pool of gloo worker processes and a small cached corpus."""
+"""Shared fixtures: a per-module pool of gloo worker processes and a small cached corpus;
+DeepSpeed's CPU Adam op built in the background from the start of the session."""
 
 from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from parallel3d.testing import ProcessGroupPool
+
+from helpers import POOL_START
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +35,7 @@ def pools():
 
     def get(world_size: int) -> ProcessGroupPool:
         if world_size not in started:
-            started[world_size] = ProcessGroupPool(world_size)
+            started[world_size] = ProcessGroupPool(world_size, start_method=POOL_START)
         return started[world_size]
 
     yield get
@@ -59,3 +67,51 @@ def prepared_dir(tmp_path_factory):
     prepare_data([str(root / "in")], tok, root / "data", workers=1, val_fraction=0.05,
                  shard_tokens=20_000, progress=False)
     return str(root / "data")
+
+
+# -- DeepSpeed's CPU Adam, built while the other tests run -----------------------------------
+
+_CPU_ADAM_BUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def pytest_collection_finish(session):
+    """When a selected test needs the cpu_adam op (the ``cpu_adam_built`` fixture), start
+    its JIT build now, at the lowest CPU priority: on a new machine it takes ~50 s of two
+    cores (g++ on DeepSpeed's sources), which this way come out of the time the suite
+    leaves a core idle (single-process tests, sleeps) instead of being waited for. Where
+    the op is built already, the process only loads it."""
+    if session.config.option.collectonly or not any(
+            "cpu_adam_built" in getattr(item, "fixturenames", ()) for item in session.items):
+        return
+    code = "from parallel3d.zero.adam import load_cpu_adam; load_cpu_adam()"
+    session.config.stash[_CPU_ADAM_BUILD] = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, preexec_fn=lambda: os.nice(19))
+
+
+@pytest.fixture(scope="session")
+def cpu_adam_built(request):
+    """DeepSpeed's ``DeepSpeedCPUAdam`` class, its op built: the background build waited
+    for, then loaded here (a build that failed in the background fails here again, with
+    load_cpu_adam's one-line error)."""
+    from parallel3d.zero.adam import load_cpu_adam
+
+    build = request.config.stash.get(_CPU_ADAM_BUILD, None)
+    if build is not None:
+        build.wait()
+    return load_cpu_adam()
+
+
+def pytest_sessionfinish(session):
+    """A session that ends before the build does (-x, ^C) stops it with SIGINT, so that
+    torch's build lock is released (a SIGKILLed build leaves it, and every later build
+    waits on it forever)."""
+    build = session.config.stash.get(_CPU_ADAM_BUILD, None)
+    if build is None or build.poll() is not None:
+        return
+    os.killpg(build.pid, signal.SIGINT)
+    try:
+        build.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(build.pid, signal.SIGKILL)
+        build.wait()

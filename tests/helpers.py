@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import json
+import resource
+import subprocess
 from pathlib import Path
+
+# How every gloo pool of the suite starts its workers: forked from one server process that
+# imported torch and the trainer once (parallel3d/testing.py). 8 spawned workers took
+# 16-20 s to start and 7-9 s to close on 2 loaded cores; 8 forked ones under 1 s each way.
+POOL_START = "forkserver"
 
 
 def tiny_job(corpus_dir: str, run_dir: str, **sections) -> dict:
@@ -89,3 +96,14 @@ def stall_rank_at(trainer, stall_rank: int, stall_step: int, stall_s: float) -> 
         return run(micro_batches, **kw)
 
     trainer.schedule.run = stalling
+
+
+def run_counting_cpu(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, float]:
+    """``subprocess.run(cmd, **kwargs)`` and the CPU seconds (user + system) the command
+    and the children it waited for used. A bound on "fails fast" in CPU seconds holds on
+    a loaded machine, where the same process can take ten times as long by the clock (a
+    bad-input CLI run took 27 s by the clock, about 2.5 s of CPU, beside two busy loops)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.run(cmd, **kwargs)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return proc, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)

@@ -20,9 +20,14 @@ from parallel3d.checkpoint.reader import CheckpointReader
 from helpers import relative_diff, tiny_job
 from test_checkpoint_hf import _hf_tensors, _save_at_layout, hf_job, make_hf_model, transformers
 
-STEPS, STOP = 20, 10
-# 8 ranks on a shared 2-core machine: a 20-step run can take minutes when the machine is
-# loaded, past the pool's default 300 s hang guard.
+# A save every 2 steps, the run stopped at step 4 and resumed there. What is claimed holds
+# at any length: a resume at the same layout is equal bit for bit or it is not, and a
+# wrong reshard (a moment or a master weight in the wrong place) moves the very next
+# losses; the 1e-5 bar of the resharded continuations is the layouts' own parity bar, not
+# a drift grown over many steps. (20 steps stopped at 10 took 67 s of the suite.)
+STEPS, STOP, INTERVAL = 8, 4, 2
+# 8 ranks on a shared 2-core machine: a run can take minutes when the machine is loaded,
+# past the pool's default 300 s hang guard.
 SLOW = 900
 
 
@@ -32,7 +37,7 @@ def _job(corpus_dir, run_dir, tp, pp, dp, zero=0, virtual=1, **checkpoint):
     job = tiny_job(corpus_dir, str(run_dir), model={"vocab_size": 515, "n_layers": 4},
                    parallel={"tp": tp, "pp": pp, "dp": dp, "zero": zero, "bucket_mb": 0.05},
                    train={"steps": STEPS, "grad_clip": 0.5},
-                   checkpoint={"interval": 5, "keep": 0, **checkpoint})
+                   checkpoint={"interval": INTERVAL, "keep": 0, **checkpoint})
     if virtual > 1:
         job["parallel"].update({"schedule": "interleaved", "virtual_stages": virtual})
     return job
@@ -55,12 +60,12 @@ def test_2x2x2_zero2_resumes_bit_exact_and_reshards(pools, corpus_dir, tmp_path)
     first = eight.run(_losses, job, STOP, timeout=SLOW)[0]
     again = eight.run(_losses, job, timeout=SLOW)[0]
     assert first + again == straight  # same layout, async saves: bit for bit
-    step10 = str(tmp_path / "resumed" / "checkpoints" / "step_00000010")
-    with CheckpointReader(step10) as reader:  # ZeRO-2 moments are flat ranges over dp
+    stopped = str(tmp_path / "resumed" / "checkpoints" / f"step_{STOP:08d}")
+    with CheckpointReader(stopped) as reader:  # ZeRO-2 moments are flat ranges over dp
         assert any(p.flat for p in reader.entry("optim/exp_avg/layers.0.mlp.up_proj.weight").pieces)
     four = pools(4)
     for tp, pp, dp, zero, virtual in [(1, 1, 4, 2, 1), (4, 1, 1, 0, 1), (1, 2, 2, 1, 2)]:
-        other = _job(corpus_dir, tmp_path / f"{tp}x{pp}x{dp}", tp, pp, dp, zero, virtual, resume=step10)
+        other = _job(corpus_dir, tmp_path / f"{tp}x{pp}x{dp}", tp, pp, dp, zero, virtual, resume=stopped)
         continued = four.run(_losses, other, timeout=SLOW)[0]
         # fp32: another layout sums the same products in another order (a few ulps per op,
         # as between the layouts' own loss curves); 1e-5 relative is the bar.

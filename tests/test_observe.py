@@ -28,6 +28,16 @@ def _job(corpus_dir, run_dir, steps, **observability) -> dict:
                     observability={"progress": "off", **observability})
 
 
+def _sleep_at_least(floor_s: float, times: float):
+    """A step hook that sleeps ``floor_s`` seconds, or ``times`` the seconds of the step
+    so far (its data, forward and backward) if that is longer: a slowdown relative to the
+    rank's own work, which a loaded machine stretches for every rank alike."""
+    def hook(trainer):
+        so_far = max((t1 for _, _, t1 in trainer.timeline.step_spans()), default=0.0)
+        time.sleep(max(floor_s, times * so_far))
+    return hook
+
+
 def _train(job: dict, slow_rank: int | None = None, sleep_s: float = 0.0) -> dict:
     import contextlib
 
@@ -35,7 +45,7 @@ def _train(job: dict, slow_rank: int | None = None, sleep_s: float = 0.0) -> dic
     topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp)
     trainer = Trainer(cfg, topo)
     if topo.rank == slow_rank:
-        trainer.step_hooks.append(lambda t: time.sleep(sleep_s))
+        trainer.step_hooks.append(_sleep_at_least(sleep_s, 10.0))
     err = io.StringIO()
     with contextlib.redirect_stderr(err) if topo.rank == 0 else contextlib.nullcontext():
         history = trainer.fit()
@@ -121,8 +131,11 @@ def test_breakdown_of_a_2x2x2_run_accounts_for_the_step(run_2x2x2):
 
 def test_a_slowed_rank_is_named_with_its_coordinates(pools, corpus_dir, tmp_path):
     slow = 5
-    # 1 s of sleep per step against a busy time of tens of ms per rank; factor 3 so that
-    # the scheduling noise of 8 ranks on 2 loaded cores cannot name a second rank.
+    # 1 s of sleep per step against a busy time of tens of ms per rank, or 10 times the
+    # step's work so far where a loaded machine stretches that (with a fixed 1 s, beside
+    # two busy loops, the other ranks' busy time reached a third of the slow one's and no
+    # rank was named); factor 3 so that the scheduling noise of 8 ranks on 2 loaded cores
+    # cannot name a second rank.
     job = _job(corpus_dir, str(tmp_path), steps=4, straggler_interval=2, straggler_factor=3.0)
     ranks = pools(8).run(_train, job, slow, 1.0)
     checks = [rec["stragglers"] for rec in ranks[0]["history"] if "stragglers" in rec]

@@ -2,6 +2,8 @@
 
 The first run on a machine JIT-builds DeepSpeed's cpu_adam op (about a minute with g++
 and ninja) into ~/.cache/parallel3d/torch_extensions; later runs load it in a second.
+The ``cpu_adam_built`` fixture (conftest.py) has the build started in the background when
+the session starts, and waits for it: built once, before any rank would race to build it.
 """
 
 from __future__ import annotations
@@ -16,14 +18,6 @@ from parallel3d.train.trainer import Trainer
 from helpers import relative_diff, tiny_job
 
 pytest.importorskip("deepspeed")
-
-
-@pytest.fixture(scope="module")
-def cpu_adam_built():
-    """Build (or load) the op once here, before any rank would race to build it."""
-    from parallel3d.zero.adam import load_cpu_adam
-
-    return load_cpu_adam()
 
 
 def test_cpu_adam_matches_flat_adamw(cpu_adam_built):

@@ -334,7 +334,9 @@ def test_a_gpu_described_by_gpu_spec_plans_like_the_table_entry(capsys):
     h100 = gpu_named("h100-80g")
     spec = (f"name=h100-80g,tflops=989,memory_gib={h100.memory_bytes / GiB!r},intra_gbyte_s=450,"
             f"inter_gbit_s=400,hbm_tbyte_s=3.35")
-    args = ["plan", "--model", "70b", "--gpus", "64", "--top", "5"]
+    # 8B on one node of 8: memory binds there too (1029 layouts fit in 80 GiB, 244 in 40);
+    # the search is a fifth of 70B on 64 GPUs' (17 s for the three plans on this machine)
+    args = ["plan", "--model", "8b", "--gpus", "8", "--top", "5"]
     assert main([*args, "--gpu", "h100-80g"]) == 0
     named = capsys.readouterr().out
     assert main([*args, "--gpu-spec", spec]) == 0

@@ -21,7 +21,7 @@ from parallel3d.testing import ProcessGroupPool
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import stall_rank_at, tiny_job
+from helpers import POOL_START, stall_rank_at, tiny_job
 
 
 # -- non-finite gradients -------------------------------------------------------------------
@@ -127,7 +127,8 @@ def test_stalled_rank_makes_the_others_exit_naming_op_and_group(corpus_dir, tmp_
     timeout = 6.0
     job = tiny_job(corpus_dir, str(tmp_path), parallel={"pp": 2, "dp": 2},
                    train={"steps": 4}, reliability={"comm_timeout_s": timeout, "heartbeat_s": 1.0})
-    pool = ProcessGroupPool(4, timeout=120)  # its own: the stall leaves the groups broken
+    # its own pool: the stall leaves the groups broken
+    pool = ProcessGroupPool(4, timeout=120, start_method=POOL_START)
     try:
         results = pool.run(_stalled_run, job, 3, 3, timeout + 8)
     finally:

@@ -253,11 +253,12 @@ def check_triton_path(tp: int, dp: int) -> dict[str, float]:
 
 def test_triton_kernels_inside_the_parallel_layers_under_the_interpreter():
     """The Triton GEMM and cross-entropy kernels as the parallel layers call them, at
-    tp=4, on the CPU interpreter (a pool of its own: triton reads TRITON_INTERPRET once,
-    at import). tp=2 runs the same code on the torch path above."""
+    tp=4, on the CPU interpreter (a pool of its own, spawned: triton reads TRITON_INTERPRET
+    once, at import, and the suite's forkserver has imported it). tp=2 runs the same code
+    on the torch path above."""
     from parallel3d.testing import ProcessGroupPool
 
-    pool = ProcessGroupPool(4, env={"TRITON_INTERPRET": "1"})
+    pool = ProcessGroupPool(4, env={"TRITON_INTERPRET": "1"})  # spawned, not forked
     try:
         for rank, errs in enumerate(pool.run(check_triton_path, 4, 1)):
             bad = {k: e for k, e in errs.items() if not e < RTOL}
