@@ -80,16 +80,26 @@ def measure(pp: int, schedules, m: int, t_fwd: float, steps: int) -> dict:
             if step == 0:
                 continue
             out[name]["metrics"].append(metrics)
-            for span_name, _, _, t0, t1, _ in sched.timeline.export()[-1]["spans"]:
-                if span_name[:1] in "FBW" and span_name[1:2].isdigit():
+            for span_name, _, _, t0, t1, args in sched.timeline.export()[-1]["spans"]:
+                # a first chunk's undivided backward (B and W in one span) says nothing of
+                # either alone: the other chunks' B and W spans do
+                if span_name[:1] in "FBW" and span_name[1:2].isdigit() and not args.get("with_weight"):
                     out[name]["spans"][span_name[0]].append(t1 - t0)
     for name in out:
         out[name]["peak_alive"] = built[name].peak_alive
         # a stage's F, B, W per micro-batch: the median chunk span times the chunks per rank
+        # (None where this rank ran no such span: zb-h1's first stage has no split backward)
         v = dict(schedules)[name]
-        out[name]["stage_costs"] = tuple(v * statistics.median(s) if s else 0.0
+        out[name]["stage_costs"] = tuple(v * statistics.median(s) if s else None
                                          for s in out[name]["spans"].values())
     return out
+
+
+def slowest_stage_costs(ranks: list[dict], name: str) -> tuple[float, float, float]:
+    """(F, B, W) of the slowest stage: each the largest over the ranks that measured it
+    (an unsplit schedule has no W: 0)."""
+    per_rank = [r[name]["stage_costs"] for r in ranks]
+    return tuple(max((c[k] for c in per_rank if c[k] is not None), default=0.0) for k in range(3))
 
 
 def main() -> None:
@@ -125,8 +135,8 @@ def main() -> None:
             theory = f"{theoretical_bubble(name, p, v, m):7.4f}"
         except ValueError:
             theory = f"{'-':>7}"
-        # planner from the measured costs of the slowest stage (largest F + B + W)
-        f, b, w = max((r[name]["stage_costs"] for r in ranks), key=sum)
+        # planner from the measured costs of the slowest stage
+        f, b, w = slowest_stage_costs(ranks, name)
         planned = bubble_fraction(name, p, v, m, f, b, w)
         rows[name] = measured
         print(f"{name:<12} {v:>2} {measured:>9.4f} {sim:>7.4f} {measured / sim:>9.3f} {theory} "
