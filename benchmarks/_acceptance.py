@@ -150,14 +150,18 @@ def _train_rank(job: dict, device: str) -> list[float]:
 
 
 def layout3d(smoke: bool, work: Path, emit, budget_s: float = 100.0) -> None:
-    """tp 2 x pp 2 x dp 2 (sequence parallelism, ZeRO-1, 1F1B) as 8 processes on one device
+    """tp 2 x pp 2 x dp 2 (sequence parallelism, ZeRO-1) as 8 processes on one device
     (gloo; on a GPU every rank's tensors on cuda:0 and the Triton GEMMs forced) against
-    1x1x1 on the same device: fp32 losses step by step."""
+    1x1x1 on the same device: fp32 losses step by step, once with 1F1B and once with zb-v
+    (two chunks per rank, each backward split into B and a deferred W: on a GPU the Triton
+    linear's dgrad in B and its wgrad in W)."""
     from parallel3d.testing import ProcessGroupPool
 
     device = str(_device(smoke))
     backend = "auto" if smoke else "triton"  # CPU: torch's GEMM; GPU: the kernels inside the step
-    layout = {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, "zero": 1, "schedule": "1f1b"}
+    base = {"tp": 2, "pp": 2, "dp": 2, "sequence_parallel": True, "zero": 1}
+    layouts = {"1f1b": {**base, "schedule": "1f1b"},
+               "zb-v": {**base, "schedule": "zb-v", "virtual_stages": 2}}
     from parallel3d.data.stdlib import prepare_stdlib  # one writer before eight readers
     from parallel3d.config import DataConfig
     prepare_stdlib(DataConfig(**DATA, cache_dir=str(work / "corpus")))
@@ -166,18 +170,20 @@ def layout3d(smoke: bool, work: Path, emit, budget_s: float = 100.0) -> None:
     # interpreters was most of the smoke section's time (start-up only; a GPU run spawns).
     pool = ProcessGroupPool(8, timeout=budget_s, start_method="forkserver" if smoke else "spawn")
     try:
-        ranks = pool.run(_train_rank, _layout_job(layout, smoke, work, backend, "2x2x2"), device)
+        for schedule, layout in layouts.items():
+            ranks = pool.run(_train_rank, _layout_job(layout, smoke, work, backend, f"2x2x2-{schedule}"), device)
+            losses = ranks[0]
+            same = all(r == losses for r in ranks)
+            diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+            tol = FP32_LOSS_TOL_CPU if smoke else FP32_LOSS_TOL_GPU
+            emit({"layout": f"tp2 pp2 dp2 +SP zero1 {schedule}", "ranks": 8, "device": device,
+                  "linear backend": backend, "steps": len(losses),
+                  "losses 2x2x2": " ".join(f"{v:.5f}" for v in losses),
+                  "losses 1x1x1": " ".join(f"{v:.5f}" for v in reference), "max rel. diff": f"{diff:.1e}",
+                  "check": "ok" if same and diff <= tol and len(losses) == len(reference) else
+                           f"FAIL (tolerance {tol:g}{'' if same else ', ranks disagree'})"})
     finally:
         pool.close()
-    losses = ranks[0]
-    same = all(r == losses for r in ranks)
-    diff = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-    tol = FP32_LOSS_TOL_CPU if smoke else FP32_LOSS_TOL_GPU
-    emit({"layout": "tp2 pp2 dp2 +SP zero1 1f1b", "ranks": 8, "device": device, "linear backend": backend,
-          "steps": len(losses), "losses 2x2x2": " ".join(f"{v:.5f}" for v in losses),
-          "losses 1x1x1": " ".join(f"{v:.5f}" for v in reference), "max rel. diff": f"{diff:.1e}",
-          "check": "ok" if same and diff <= tol and len(losses) == len(reference) else
-                   f"FAIL (tolerance {tol:g}{'' if same else ', ranks disagree'})"})
 
 
 SECTIONS = {"kernels": kernels, "linear": linear, "train": train, "layout3d": layout3d}

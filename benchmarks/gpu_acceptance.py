@@ -11,7 +11,8 @@ crashes or runs out of time is reported in the table and the next one runs):
     train     1B preset in bf16: Trainer vs a plain PyTorch loop (tokens/s, MFU, peak memory,
               losses side by side)
     layout3d  tp 2 x pp 2 x dp 2 as 8 processes on the one GPU (gloo with CUDA tensors, all on
-              cuda:0, Triton GEMMs forced) against 1x1x1: fp32 losses step by step
+              cuda:0, Triton GEMMs forced) against 1x1x1: fp32 losses step by step, with 1F1B
+              and with zb-v (B and W split: the Triton dgrad and the deferred wgrad)
 
 The figures go to stdout and, as markdown, to ``--out``. ``--smoke`` runs every section's
 code on CPU with tiny shapes (the kernels under TRITON_INTERPRET=1, 8 gloo processes of the
@@ -37,7 +38,8 @@ SECTIONS = {
     "kernels": ("Kernel tests (pytest; bf16 and fp16 are the gpu-marked cases)", 75, 90, True),
     "linear": ("Triton linear vs cuBLAS on the 8B / 70B shards, tp 2/4/8, M = 8192, bf16", 120, 60, True),
     "train": ("1B preset, bf16: parallel3d Trainer vs a plain PyTorch loop", 160, 90, False),
-    "layout3d": ("tp 2 x pp 2 x dp 2 on one device (8 processes, gloo) vs 1x1x1, fp32", 100, 150, False),
+    "layout3d": ("tp 2 x pp 2 x dp 2 on one device (8 processes, gloo) vs 1x1x1, fp32, 1F1B and zb-v",
+                 120, 180, False),
 }
 
 
