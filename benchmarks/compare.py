@@ -31,6 +31,10 @@ side's peak per stage in its metered run (the last step's
 high-water mark above what was allocated at its start: activations, gradient and
 communication buffers, temporaries).
 
+Below the table each row also gives, per peer, the lowest and highest ratio of one round's
+medians (parallel3d's run and the peer's run of the same round): the spread that the
+machine's drift from round to round leaves on the table's ratio.
+
 On CPU the ranks are gloo processes with one thread each; on GPUs (one per rank) the
 same script uses NCCL. Peers that cannot run a row say why in the table.
 """
@@ -166,6 +170,15 @@ def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _com
     if len(tails) > 1:
         ours.error += "; first stage's tail (end of its last backward to the end of the step), median ms: " + \
             ", ".join(f"{k} {v * 1e3:.1f}" for k, v in tails.items())
+    spreads = []  # the machine's drift between rounds, seen in each round's own ratio
+    for peer_name, runs in peer_runs.items():
+        if peer_name not in errors and len(runs) == len(ours_runs) > 1:
+            per_round = [_common.summarize("", [a], args.warmup, tokens).step_ms
+                         / _common.summarize("", [b], args.warmup, tokens).step_ms
+                         for a, b in zip(ours_runs, runs)]
+            spreads.append(f"{peer_name} {min(per_round):.2f}-{max(per_round):.2f}")
+    if spreads:
+        ours.error += "; ratio of each round's medians, lowest-highest: " + ", ".join(spreads)
     out = []
     for peer_name, *_ in row.peers:
         if peer_name in errors:
