@@ -5,7 +5,10 @@ A recipe is a TOML file whose tables match the sections below (``[parallel]``,
 values are parsed as TOML literals, so ``--train.lr=3e-4`` is a float and
 ``--parallel.pp_layers=[2,2]`` a list. Unknown keys, wrong types and values outside a
 fixed choice (a ``Literal`` field) raise :class:`~parallel3d.errors.UserError` in one line,
-with a did-you-mean. Each component receives only its own section.
+with a did-you-mean. Each component receives its own section; the trainer's wiring of
+data (``train/data.py``) and checkpoints (``checkpoint/checkpointer.py``) also reads the
+few fields of other sections it needs (the batch shape, the run directory, the
+fine-tuning source), and a checkpoint records the whole job.
 """
 
 from __future__ import annotations

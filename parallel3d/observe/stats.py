@@ -158,12 +158,13 @@ class StepObserver:
     SUMS = len(BREAKDOWN) + 3  # the breakdown fields, the bubble and the CPU times, summed over ranks
     MAXES = 2 * len(EXTREMES)
 
-    def __init__(self, cfg, topo, device: torch.device, model_cfg):
-        train = cfg.train
-        tokens = train.global_batch * train.seq_len
-        self.flops_per_step = model_flops_per_token(model_cfg, train.seq_len) * tokens
+    def __init__(self, obs_cfg, topo, device: torch.device, model_cfg, *, global_batch: int, seq_len: int):
+        """``obs_cfg``: the ``observability`` section; ``global_batch`` sequences of
+        ``seq_len`` tokens a step (what the model FLOPs count)."""
+        tokens = global_batch * seq_len
+        self.flops_per_step = model_flops_per_token(model_cfg, seq_len) * tokens
         self.topo, self.device = topo, device
-        self.obs = cfg.observability
+        self.obs = obs_cfg
         self.gpu = gpu_of(device)
         self.hosts: list[str] | None = None
         self._hosts_pending = True

@@ -108,11 +108,11 @@ class Trainer:
         self.optimizer.take_masters()
         self.schedule = build_schedule(
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
-            activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch,
-                                              cfg.train.seq_len, topo.tp,
-                                              cfg.parallel.sequence_parallel),
+            activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
+                                              topo.tp, cfg.parallel.sequence_parallel),
             autocast=_autocast_for(cfg, self.device), timeline=self.timeline, watch=self.watch)
-        self.observer = StepObserver(cfg, topo, self.device, self.model_cfg)
+        self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
+                                     global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
         self.step_hooks: list = []
         # (record, this rank's figures) of the last step, until the next collective
         # carries the figures of every rank; then the record goes to _completed.
