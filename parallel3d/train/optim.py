@@ -8,6 +8,7 @@ halves and the global norm are in :mod:`parallel3d.grad_norm`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -50,6 +51,14 @@ def storage_dtype(train_cfg: TrainConfig, device: torch.device) -> torch.dtype:
     if chosen is None:
         chosen = torch.bfloat16 if device.type == "cuda" else torch.float32
     return chosen
+
+
+def autocast_for(train_cfg: TrainConfig, device: torch.device):
+    """A factory of the forward's autocast context: bf16 autocast when parameters are
+    stored in bf16 (the GEMMs' operands cast, fp32 where torch keeps it), else none."""
+    if storage_dtype(train_cfg, device) != torch.bfloat16:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology, model=None,

@@ -31,7 +31,6 @@ micro-batch's mean / micro-batches, dp ranks averaged; masked data: ``loss_divis
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -57,14 +56,8 @@ from parallel3d.tensor_parallel.init import materialize_
 from parallel3d.topology import Topology
 from parallel3d.train.data import build_train_data
 from parallel3d.train.metrics import MetricsLogger
-from parallel3d.train.optim import build_optimizer, lr_at, storage_dtype
+from parallel3d.train.optim import autocast_for, build_optimizer, lr_at, storage_dtype
 from parallel3d.train.setup import check_job, resolve_model_config
-
-
-def _autocast_for(cfg: JobConfig, device: torch.device):
-    if storage_dtype(cfg.train, device) != torch.bfloat16:
-        return contextlib.nullcontext
-    return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 class Trainer:
@@ -110,7 +103,7 @@ class Trainer:
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
             activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
                                               topo.tp, cfg.parallel.sequence_parallel),
-            autocast=_autocast_for(cfg, self.device), timeline=self.timeline, watch=self.watch)
+            autocast=autocast_for(cfg.train, self.device), timeline=self.timeline, watch=self.watch)
         self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
                                      global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
         self.step_hooks: list = []
