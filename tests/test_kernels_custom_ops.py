@@ -14,6 +14,7 @@ bf16 tl.dot is wrong).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -55,10 +56,9 @@ def _triton_llama(recompute: str):
     return apply_recompute(model, recompute)
 
 
-def _launches_and_grads(recompute: str, monkeypatch) -> tuple[dict, list[torch.Tensor]]:
-    from parallel3d.models.llama.parallelize import cross_entropy_loss
-
-    model = _triton_llama(recompute)
+@contextlib.contextmanager
+def _counting_launches(monkeypatch):
+    """Counts the Triton GEMM launches of each kind made inside the block."""
     counts = {"fwd": 0, "dgrad": 0, "wgrad": 0}
     launch = L._gemm
 
@@ -66,9 +66,19 @@ def _launches_and_grads(recompute: str, monkeypatch) -> tuple[dict, list[torch.T
         counts[kind] += 1
         return launch(kind, *args, **kwargs)
     monkeypatch.setattr(L, "_gemm", counting)
+    try:
+        yield counts
+    finally:
+        monkeypatch.setattr(L, "_gemm", launch)
+
+
+def _launches_and_grads(recompute: str, monkeypatch) -> tuple[dict, list[torch.Tensor]]:
+    from parallel3d.models.llama.parallelize import cross_entropy_loss
+
+    model = _triton_llama(recompute)
     tokens = torch.randint(0, CFG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(1))
-    cross_entropy_loss(model(tokens), tokens).backward()
-    monkeypatch.setattr(L, "_gemm", launch)
+    with _counting_launches(monkeypatch) as counts:
+        cross_entropy_loss(model(tokens), tokens).backward()
     return counts, [p.grad for p in model.parameters()]
 
 
@@ -100,19 +110,12 @@ def test_a_split_backward_runs_the_triton_dgrads_in_b_and_the_wgrads_in_w(monkey
     cross_entropy_loss(undivided(tokens), tokens).backward()
     model = split_llama_weight_grads(_triton_llama("none"))
     loss = cross_entropy_loss(model(tokens), tokens)
-    counts = {"fwd": 0, "dgrad": 0, "wgrad": 0}
-    launch = L._gemm
-
-    def counting(kind, *args, **kwargs):
-        counts[kind] += 1
-        return launch(kind, *args, **kwargs)
-    monkeypatch.setattr(L, "_gemm", counting)
     work = DeferredWeightGrads()
-    with deferring(work):
+    with _counting_launches(monkeypatch) as in_b, deferring(work):
         loss.backward()
-    in_b, counts = counts, {"fwd": 0, "dgrad": 0, "wgrad": 0}
     assert all(p.grad is None for p in model.parameters())
-    work.run()
+    with _counting_launches(monkeypatch) as counts:
+        work.run()
     layer_gemms = GEMMS_PER_LAYER * CFG["n_layers"]
     assert in_b == {"fwd": 0, "dgrad": layer_gemms, "wgrad": 0}, in_b
     assert counts == {"fwd": 0, "dgrad": 0, "wgrad": layer_gemms}, counts
