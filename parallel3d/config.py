@@ -4,8 +4,9 @@ A recipe is a TOML file whose tables match the sections below (``[parallel]``,
 ``[train]``, ...). Command-line overrides use dotted keys (``--parallel.tp=2``); their
 values are parsed as TOML literals, so ``--train.lr=3e-4`` is a float and
 ``--parallel.pp_layers=[2,2]`` a list. Unknown keys, wrong types and values outside a
-fixed choice (a ``Literal`` field) raise :class:`~parallel3d.errors.UserError` in one line,
-with a did-you-mean. Each component receives its own section; the trainer's wiring of
+fixed choice (a ``Literal`` field, ``config_choices.py``) raise
+:class:`~parallel3d.errors.UserError` in one line, with a did-you-mean; a section built in
+code checks its choices too. Each component receives its own section; the trainer's wiring of
 data (``train/data.py``) and checkpoints (``checkpoint/checkpointer.py``) also reads the
 few fields of other sections it needs (the batch shape, the run directory, the
 fine-tuning source), and a checkpoint records the whole job.
@@ -28,20 +29,9 @@ else:  # pragma: no cover
 
 from parallel3d.errors import UserError, did_you_mean
 
-# Fixed choices. Loading refuses any other value in one line with the allowed ones (and a
-# did-you-mean), so the code dispatching on a choice needs no check of its own; the
-# tables it dispatches through must hold exactly these values (tests/test_config.py).
-Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]  # pipeline.schedules.SCHEDULES
-LinearBackend = Literal["auto", "triton", "torch"]  # kernels.gemm.BACKENDS
-ZeroStage = Literal[0, 1, 2]
-Dtype = Literal["auto", "fp32", "bf16"]  # train.optim.STORAGE_DTYPES
-Recompute = Literal["none", "full", "selective"]  # parallelize.RECOMPUTE, flops.RECOMPUTE_FLOPS
-DataSource = Literal["stdlib", "prepared"]
-Packing = Literal["auto", "concat", "documents", "whole"]  # data.packing.PACKINGS
-Backend = Literal["auto", "nccl", "gloo"]
-HostMemory = Literal["fast", "tight", "libc"]  # distributed.HOST_MEMORY
-AutoOnOff = Literal["auto", "on", "off"]
-OnNonfinite = Literal["skip", "stop"]
+from parallel3d.config_choices import (  # noqa: F401 - the choices are part of this module's API
+    AutoOnOff, Backend, DataSource, Dtype, HostMemory, LinearBackend, OnNonfinite, Packing, Recompute,
+    Schedule, ZeroStage, checks_choices, choice)
 
 
 @dataclass
@@ -68,6 +58,7 @@ class ModelConfig:
 
 
 @dataclass
+@checks_choices
 class ParallelConfig:
     """The layout: tensor x pipeline x data parallel degrees (tp innermost), and how the
     pipeline runs (see ``parallel3d/pipeline``)."""
@@ -94,6 +85,7 @@ class ParallelConfig:
 
 
 @dataclass
+@checks_choices
 class TrainConfig:
     steps: int = 100
     seed: int = 1234
@@ -119,6 +111,7 @@ class TrainConfig:
 
 
 @dataclass
+@checks_choices
 class DataConfig:
     # "stdlib": the running Python's standard-library sources, tokenized with a byte-level
     # BPE trained on them (every machine has this corpus). "prepared": data.path is
@@ -147,6 +140,7 @@ class EvalConfig:
 
 
 @dataclass
+@checks_choices
 class LaunchConfig:
     nproc: int = 1  # worker processes per node when not already under torchrun
     nnodes: int = 1  # nodes of the job: the world size is nnodes * nproc
@@ -175,6 +169,7 @@ class CheckpointConfig:
 
 
 @dataclass
+@checks_choices
 class ObservabilityConfig:
     progress: AutoOnOff = "auto"  # rank 0's live progress bar: auto (when stdout is a terminal), on, off
     straggler_factor: float = 1.2  # warn about a rank busier than this times the median rank
@@ -184,6 +179,7 @@ class ObservabilityConfig:
 
 
 @dataclass
+@checks_choices
 class ReliabilityConfig:
     """Timeouts, heartbeats, and what to do with bad numbers (``parallel3d/reliability``)."""
 
@@ -246,22 +242,11 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
-def _choice(value: Any, choices: tuple, where: str) -> Any:
-    """``value`` if it is one of ``choices`` (of the same type: ``true`` is not 1), else a
-    :class:`UserError` naming the key and the choices, with a did-you-mean for a string."""
-    if any(type(value) is type(c) and value == c for c in choices):
-        return value
-    names = [str(c) for c in choices]
-    strings = isinstance(value, str) and all(isinstance(c, str) for c in choices)
-    hint = did_you_mean(value, names) if strings else ""
-    raise UserError(f"{where} {value!r} is not supported{hint}: use {', '.join(names)}")
-
-
 def _coerce(value: Any, tp, where: str) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted for floats."""
     origin = typing.get_origin(tp)
     if origin is Literal:
-        return _choice(value, typing.get_args(tp), where)
+        return choice(value, typing.get_args(tp), where)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:

@@ -126,3 +126,24 @@ def test_each_choice_is_what_the_code_dispatching_on_it_handles():
     for key, found in tables.items():
         for table in found:
             assert set(table) == fields[key], (key, set(table), fields[key])
+
+
+def test_a_section_built_in_code_checks_its_choices():
+    """A section built in code (or copied by ``dataclasses.replace``) refuses a value outside
+    a choice at once, in the loader's words, for every choice of the job config; its
+    defaults and every allowed value build."""
+    import dataclasses
+
+    from parallel3d.config import JobConfig
+
+    job = JobConfig()
+    for key, allowed in _choice_fields():
+        section, name = key.split(".")
+        cls = type(getattr(job, section))
+        for value in allowed:
+            assert getattr(cls(**{name: value}), name) == value
+        bad = "not-a-choice"
+        with pytest.raises(UserError, match=rf"^{key} '{bad}' is not supported"):
+            cls(**{name: bad})
+        with pytest.raises(UserError, match=rf"^{key} '{bad}' is not supported"):
+            dataclasses.replace(getattr(job, section), **{name: bad})
