@@ -98,7 +98,7 @@ ROWS = {
                            + [("parallel3d 1f1b", peers.run_ours_as,
                                {"as_layout": {"pp": pp, "schedule": "1f1b"}}, None)],
                            f"pp={pp}, {zb}, {2 * pp} micro-batches",
-                           {"micro_batch": 2 if pp == 2 else 1, "model": {"n_layers": 8}})
+                           {"micro_batch": 2 if pp == 2 else 1})  # layers: --zb-layers
        for pp in (2, 4) for zb in ("zb-h1", "zb-v")},
     "3d": Row(8, {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
               [("torch 3D: DTensor TP x Schedule1F1B x dp all-reduce", peers.run_torch_3d, {}, None)],
@@ -135,7 +135,7 @@ class Pools:
 def measure_row(pools: Pools, name: str, row: Row, args) -> list[tuple[str, _common.Side, _common.Side]]:
     job_kw = {"seq_len": args.seq_len, **row.job}
     if "-zb-" in name:
-        job_kw["model"] = {**job_kw["model"], "n_layers": args.zb_layers}
+        job_kw["model"] = {**job_kw.get("model", {}), "n_layers": args.zb_layers}
     tokens = 8 * args.seq_len
     ours_runs, peer_runs, errors = [], {p[0]: [] for p in row.peers}, {}
     for _ in range(args.rounds):

@@ -171,9 +171,10 @@ def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, call
     Pipeline parallelism first cuts this rank's chunks (:func:`cut_pipeline_stages`), then
     tensor parallelism splits each chunk (:func:`apply_tensor_parallel`); a zero-bubble
     schedule has every weight's backward split into B and W
-    (:func:`split_llama_weight_grads`), but on the first chunk, whose backward runs whole. With ``pp > 1``
-    the model is a :class:`PipelineStage`: this rank's chunks under the unsplit parameter
-    names, run by the pipeline schedule through ``.pipeline_chunks``.
+    (:func:`split_llama_weight_grads`), except on the first chunk, whose backward runs
+    whole. With ``pp > 1`` the model is a :class:`PipelineStage`: this rank's chunks
+    under the unsplit parameter names, run by the pipeline schedule through
+    ``.pipeline_chunks``.
     """
     chunks = cut_pipeline_stages(model, topo, parallel_cfg) if topo.pp > 1 else [model]
     for chunk in chunks:

@@ -133,7 +133,8 @@ class PipelineSchedule:
     @contextlib.contextmanager
     def _comm(self, label: str, axis: str = "pp"):
         """Tell the watch (if any) that the enclosed code waits on communication
-        ``label`` over ``axis``, and that computing resumes after it."""
+        ``label`` over ``axis``, and that computing resumes after it. An exception leaves
+        the watch on ``label``, where the step failed."""
         if self.watch is None:
             yield
             return
