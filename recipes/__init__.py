@@ -1,1 +1,6 @@
 """Shipped TOML recipes (installed as ``parallel3d.recipes`` so the CLI finds them)."""
+
+if __name__ != "parallel3d.recipes":  # the checkout's root on sys.path: not our name (kernels/_import_name.py)
+    from parallel3d.kernels._import_name import yield_name
+
+    yield_name(__name__, __path__[0])
