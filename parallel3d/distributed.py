@@ -172,6 +172,25 @@ def check_device(t: torch.Tensor, group) -> None:
                            "NCCL group, which takes only CUDA tensors: create it on the training device")
 
 
+def gloo_p2p_needs_host(backend: str, device: torch.device | str) -> bool:
+    """Whether a send or receive of a tensor on ``device`` over a ``backend`` group must go
+    through a host buffer: on gloo, for every device but the CPU. gloo copies device
+    tensors through the host for its collectives, but its send and receive hand the
+    tensor's data pointer to the TCP transport, which only reads and writes host memory."""
+    return backend == "gloo" and torch.device(device).type != "cpu"
+
+
+def check_p2p_device(t: torch.Tensor, group) -> None:
+    """A send/receive tensor must live where the group's transport reads it: on NCCL, on
+    CUDA (:func:`check_device`); on gloo, on the host (:func:`gloo_p2p_needs_host`). Refuse
+    the others here, naming the tensor, instead of a failed or hung first pipeline step."""
+    check_device(t, group)
+    if gloo_p2p_needs_host(dist.get_backend(group), t.device):
+        raise RuntimeError(f"a {t.device.type} tensor {tuple(t.shape)} was handed to a send/receive on a "
+                           "gloo group, whose transport reads only host memory: stage it through a host "
+                           "buffer (parallel3d.pipeline.staging.HostStaging)")
+
+
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce (SUM, MAX or MIN); a no-op when ``group`` is None or has one rank.
 

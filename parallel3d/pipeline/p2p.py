@@ -43,14 +43,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel3d.distributed import check_p2p_device, gloo_p2p_needs_host
+
 from .schedules import Message
+from .staging import HostStaging
 
 
 class StageComm:
     """Batched sends and receives between this rank and its pipeline neighbours.
 
     ``pp_ranks[i]`` is the global rank of pipeline rank ``i`` (same tp/dp coordinates);
-    messages name pipeline ranks, the group translates them.
+    messages name pipeline ranks, the group translates them. On a gloo group with tensors
+    on a device, every message goes through reused host buffers (``staging.py``).
     """
 
     def __init__(self, pp_group, pp_ranks: list[int], shape: tuple[int, ...],
@@ -58,6 +62,8 @@ class StageComm:
         self.group, self.pp_ranks = pp_group, pp_ranks
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self._sending: list = []  # (work, tensor) of the previous batch's sends
+        staged = gloo_p2p_needs_host(dist.get_backend(pp_group), device)
+        self.staging = HostStaging(self.shape, dtype, device) if staged else None
 
     def post(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> "Posted":
         """Post every send and receive of one batch; :meth:`Posted.wait` waits for the
@@ -69,20 +75,26 @@ class StageComm:
         than in the wait-for-everything model the simulator checks, so that model's
         proof of deadlock freedom carries over; at most one batch of sent tensors stays
         alive. Post a batch only after the previous one was waited for."""
-        ops, bufs, outgoing = [], [], []
         for msg, tensor in sends:
             # The fixed shape is the contract with the receiver: check it here, where a
             # wrong shape is an internal bug, rather than let the peer read garbage.
             assert tuple(tensor.shape) == self.shape and tensor.dtype == self.dtype, \
                 (msg, tuple(tensor.shape), tensor.dtype, self.shape, self.dtype)
-            tensor = tensor.contiguous()
-            ops.append(dist.P2POp(dist.isend, tensor, self.pp_ranks[msg.dst], self.group))
-            outgoing.append(tensor)
-        for msg in recvs:
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, buf, self.pp_ranks[msg.src], self.group))
-            bufs.append(buf)
+        outgoing = [tensor.contiguous() for _, tensor in sends]
+        if self.staging is not None:
+            outgoing = self.staging.to_host(outgoing)
+            bufs = [self.staging.take() for _ in recvs]
+        else:
+            bufs = [torch.empty(self.shape, dtype=self.dtype, device=self.device) for _ in recvs]
+        ops = [dist.P2POp(dist.isend, t, self.pp_ranks[msg.dst], self.group)
+               for (msg, _), t in zip(sends, outgoing)]
+        ops += [dist.P2POp(dist.irecv, buf, self.pp_ranks[msg.src], self.group)
+                for msg, buf in zip(recvs, bufs)]
+        for op in ops:
+            check_p2p_device(op.tensor, self.group)
         works = dist.batch_isend_irecv(ops) if ops else []
+        # gloo gives a handle per operation: each staged send's buffer returns on its wait
+        assert self.staging is None or len(works) == len(ops), (len(works), len(ops))
         if len(works) == len(ops):  # one handle per operation (gloo): sends listed first
             receiving, sending = works[len(outgoing):], works[:len(outgoing)]
         else:  # one handle for the coalesced batch (NCCL), whose wait only orders streams
@@ -96,8 +108,10 @@ class StageComm:
 
     def flush(self) -> None:
         """Wait for the sends still in flight (the runtime calls it at the end of a step)."""
-        for work, _ in self._sending:
+        for work, tensor in self._sending:
             work.wait()
+            if self.staging is not None:
+                self.staging.give(tensor)
         self._sending = []
 
 
@@ -112,4 +126,6 @@ class Posted:
             work.wait()
         self.comm.flush()  # the previous batch's sends
         self.comm._sending = self.sending  # keeps each tensor alive until sent
+        if self.comm.staging is not None:
+            return self.comm.staging.to_device(self.bufs)
         return self.bufs
