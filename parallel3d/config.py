@@ -30,7 +30,7 @@ else:  # pragma: no cover
 from parallel3d.errors import UserError, did_you_mean
 
 from parallel3d.config_choices import (  # noqa: F401 - the choices are part of this module's API
-    AutoOnOff, Backend, DataSource, Dtype, HostMemory, LinearBackend, OnNonfinite, Packing, Recompute,
+    AutoOnOff, Backend, CpComm, DataSource, Dtype, HostMemory, LinearBackend, OnNonfinite, Packing, Recompute,
     Schedule, ZeroStage, checks_choices, choice)
 
 
@@ -66,6 +66,14 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    # Context parallelism: each sequence split over cp ranks (2 cp chunks, head-tail), the
+    # attention of local queries over the whole sequence by an all-gather of K/V or a ring
+    # of p2p steps (cp_comm); weights replicated, gradients reduced over dp x cp.
+    cp: int = 1
+    cp_comm: CpComm = "auto"
+    # Expert parallelism: the experts of each MoE layer split over ep ranks carved from dp
+    # (ep divides dp); tokens travel to their experts by all-to-all.
+    ep: int = 1
     # Tensor parallelism: norms on sequence shards, all-gather before the column-parallel
     # layers, reduce-scatter after the row-parallel ones (activation memory / tp).
     sequence_parallel: bool = False
@@ -75,13 +83,19 @@ class ParallelConfig:
     # pipeline schedule: gpipe, 1f1b, interleaved, or the zero-bubble zb-h1 and zb-v
     # (backward split into input and weight gradients, the latter filling the bubble)
     schedule: Schedule = "1f1b"
-    virtual_stages: int = 1  # chunks per pipeline rank (interleaved needs >= 2, zb-v 2)
+    # chunks per pipeline rank: interleaved needs >= 2; zb-v runs exactly 2 (its V); the
+    # others 1. Left unset, it is 2 under zb-v and 1 otherwise (__post_init__).
+    virtual_stages: int | None = None
     pp_layers: list[int] | None = None  # layers per chunk, by hand; default: the balanced rule
     # ZeRO: 0 replicates optimizer state; 1 shards it (fp32 master weights and Adam
     # moments) over the dp ranks; 2 also shards the gradients.
     zero: ZeroStage = 0
     offload_optimizer: bool = False  # zero >= 1: master weights, moments and the Adam step on CPU
     bucket_mb: float = 25.0  # zero >= 1: fp32 gradient bucket size for reduce-scatter/all-gather
+
+    def __post_init__(self) -> None:  # run by checks_choices, after the schedule was checked
+        if self.virtual_stages is None:
+            self.virtual_stages = 2 if self.schedule == "zb-v" else 1
 
 
 @dataclass

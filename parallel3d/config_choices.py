@@ -21,6 +21,7 @@ from parallel3d.errors import UserError, did_you_mean
 # these values (tests/test_config.py).
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]  # pipeline.schedules.SCHEDULES
 LinearBackend = Literal["auto", "triton", "torch"]  # kernels.gemm.BACKENDS
+CpComm = Literal["auto", "allgather", "ring"]  # context_parallel attention modes
 ZeroStage = Literal[0, 1, 2]
 Dtype = Literal["auto", "fp32", "bf16"]  # train.optim.STORAGE_DTYPES
 Recompute = Literal["none", "full", "selective"]  # parallelize.RECOMPUTE, flops.RECOMPUTE_FLOPS
@@ -37,12 +38,16 @@ def checks_choices(cls):
     ``__init__``): the section's ``Literal`` fields are checked when an instance is
     built, so a config assembled in code (or by ``dataclasses.replace``) fails in one line
     as a loaded one does, naming ``<section>.<key>`` (the section: the class name less
-    ``Config``, lower case)."""
+    ``Config``, lower case). A ``__post_init__`` of the section's own (deriving a value
+    left unset from the checked choices) runs after them."""
     section = cls.__name__.removesuffix("Config").lower()
+    derive = cls.__dict__.get("__post_init__")  # the section's own, run after the checks
 
     def __post_init__(self) -> None:
         for name, choices in _literal_fields(cls):
             choice(getattr(self, name), choices, f"{section}.{name}")
+        if derive is not None:
+            derive(self)
 
     cls.__post_init__ = __post_init__
     return cls

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel3d.config import config_from_dict
+from parallel3d.config import ParallelConfig, config_from_dict
 from parallel3d.errors import UserError
 from parallel3d.models.llama import config_from_preset
 from parallel3d.models.llama.parallelize import stage_costs
@@ -273,10 +273,12 @@ def _job(**parallel) -> tuple:
     ({"pp": 2, "schedule": "interleaved"}, "'interleaved' needs parallel.pp >= 2 and "
                                            "parallel.virtual_stages >= 2, got pp 2 and virtual_stages 1"),
     ({"pp": 2, "virtual_stages": 2}, "parallel.virtual_stages 2 needs parallel.schedule 'interleaved'"),
-    ({"pp": 2, "schedule": "zb-v"}, "'zb-v' needs parallel.pp >= 2 and parallel.virtual_stages 2, got pp 2 "
-                                    "and virtual_stages 1"),
+    ({"pp": 2, "schedule": "zb-v", "virtual_stages": 1},
+     "parallel.schedule 'zb-v' runs two chunks per pipeline rank (its V), got parallel.virtual_stages 1: "
+     "leave virtual_stages out"),
     ({"pp": 2, "schedule": "zb-v", "virtual_stages": 3, "model": {"n_layers": 6}},
-     "'zb-v' needs parallel.pp >= 2 and parallel.virtual_stages 2, got pp 2 and virtual_stages 3"),
+     "'zb-v' runs two chunks per pipeline rank (its V), got parallel.virtual_stages 3"),
+    ({"pp": 1, "schedule": "zb-v"}, "parallel.schedule 'zb-v' needs parallel.pp >= 2, got pp 1"),
     ({"pp": 1, "schedule": "zb-h1"}, "parallel.schedule 'zb-h1' needs parallel.pp >= 2"),
     ({"pp": 2, "schedule": "zb-h2"}, "parallel.schedule 'zb-h2' is not supported (did you mean 'zb-h1'?)"),
     ({"pp": 2, "schedule": "interleaved", "virtual_stages": 2, "train": {"global_batch": 6}},
@@ -295,3 +297,15 @@ def test_good_pipeline_jobs_pass():
                      {"pp": 2, "schedule": "zb-h1"}, {"pp": 2, "schedule": "zb-v", "virtual_stages": 2},
                      {"pp": 2, "schedule": "zb-v", "virtual_stages": 2, "train": {"global_batch": 6}}):
         check_job(*_job(**parallel))
+
+
+def test_zb_v_sets_its_two_chunks_per_rank():
+    """zb-v has no other value of virtual_stages, so leaving it out means 2 (1 for the
+    other schedules); given, the value is kept, and checked by check_job."""
+    cfg, model, world = _job(pp=2, schedule="zb-v")
+    assert cfg.parallel.virtual_stages == 2
+    check_job(cfg, model, world)
+    assert _job(pp=2, schedule="zb-h1")[0].parallel.virtual_stages == 1
+    assert _job(pp=2, schedule="interleaved", virtual_stages=3, model={"n_layers": 6})[0].parallel.virtual_stages == 3
+    assert ParallelConfig(pp=2, schedule="zb-v").virtual_stages == 2  # built in code alike
+    assert ParallelConfig(pp=2).virtual_stages == 1

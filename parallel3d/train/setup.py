@@ -33,7 +33,8 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
         _positive(f"train.{name}", getattr(train, name))
     if train.grad_clip < 0:
         raise UserError(f"train.grad_clip must be >= 0 (0 disables clipping), got {train.grad_clip}")
-    validate_layout(par.tp, par.pp, par.dp, world_size)
+    validate_layout(par.tp, par.pp, par.dp, world_size, par.cp, par.ep)
+    check_new_axes(par)
     check_observability(cfg.observability)
     check_memory_options(cfg)
     check_tensor_parallel(model, par.tp)  # heads, kv-heads, MLP width vs tp
@@ -110,15 +111,17 @@ def check_reliability(cfg: JobConfig) -> None:
 def check_pipeline(cfg: JobConfig, n_micro: int) -> None:
     """What the schedule needs of the stages and micro-batches."""
     par = cfg.parallel
-    chunks = {"interleaved": "parallel.virtual_stages >= 2", "zb-v": "parallel.virtual_stages 2"}
-    if par.schedule in ("interleaved", "zb-v"):
-        wrong = par.virtual_stages < 2 if par.schedule == "interleaved" else par.virtual_stages != 2
-        if par.pp < 2 or wrong:
-            other = "'1f1b'" if par.schedule == "interleaved" else "'zb-h1'"
-            raise UserError(f"parallel.schedule '{par.schedule}' needs parallel.pp >= 2 and "
-                            f"{chunks[par.schedule]}, got pp {par.pp} and virtual_stages "
-                            f"{par.virtual_stages}: change them or use schedule {other}")
-    elif par.virtual_stages != 1:
+    if par.schedule == "interleaved" and (par.pp < 2 or par.virtual_stages < 2):
+        raise UserError(f"parallel.schedule 'interleaved' needs parallel.pp >= 2 and parallel.virtual_stages "
+                        f">= 2, got pp {par.pp} and virtual_stages {par.virtual_stages}: change them or "
+                        "use schedule '1f1b'")
+    if par.schedule == "zb-v" and par.virtual_stages != 2:
+        raise UserError(f"parallel.schedule 'zb-v' runs two chunks per pipeline rank (its V), got "
+                        f"parallel.virtual_stages {par.virtual_stages}: leave virtual_stages out (zb-v sets 2)")
+    if par.schedule == "zb-v" and par.pp < 2:
+        raise UserError(f"parallel.schedule 'zb-v' needs parallel.pp >= 2, got pp {par.pp}: raise "
+                        "parallel.pp or use schedule '1f1b'")
+    if par.schedule not in ("interleaved", "zb-v") and par.virtual_stages != 1:
         raise UserError(f"parallel.virtual_stages {par.virtual_stages} needs parallel.schedule "
                         f"'interleaved' or 'zb-v' (schedule '{par.schedule}' runs one chunk per stage)")
     if par.schedule == "zb-h1" and par.pp < 2:
@@ -139,6 +142,16 @@ def check_memory_options(cfg: JobConfig) -> None:
                         "set parallel.zero=1 or 2 (or parallel.offload_optimizer=false)")
     if par.bucket_mb <= 0:
         raise UserError(f"parallel.bucket_mb must be positive, got {par.bucket_mb}")
+
+
+def check_new_axes(par) -> None:
+    """cp and ep are axes of the topology and the layout (groups, rank order, checks), but
+    the trainer does not yet route attention through the context-parallel attention nor
+    MLPs through experts: refuse them in one line rather than train something else."""
+    for name, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
+        if getattr(par, name) > 1:
+            raise UserError(f"parallel.{name} {getattr(par, name)}: {what} is not yet wired into "
+                            f"training (the topology has its groups): set parallel.{name} = 1")
 
 
 def job_world_size(cfg: JobConfig) -> int:
