@@ -1,0 +1,87 @@
+"""Context-parallel communication, each function given its cp group explicitly.
+
+    gather_from_cp   all-gather of a local tensor into (cp, ...)  <->  reduce-scatter
+                     of the gradient (every rank's queries used every rank's K/V, so
+                     the owner's dK/dV is the sum over the group)
+    gather_ids       all-gather without autograd (document ids)
+    ring_shift       async: send a tensor to cp rank r+1, receive one from r-1 (the ring
+                     attention's K/V and dK/dV steps); ``wait()`` returns what came in
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from parallel3d.distributed import all_gather_flat, check_device, reduce_scatter_flat
+
+
+def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    """(cp, *x.shape): every rank's ``x`` in cp rank order."""
+    p = dist.get_world_size(group)
+    x = x.contiguous()
+    check_device(x, group)
+    out = torch.empty((p, *x.shape), dtype=x.dtype, device=x.device)
+    all_gather_flat(out.view(-1), x.view(-1), group=group)
+    return out
+
+
+class _GatherFromCP(torch.autograd.Function):
+    """Forward: all-gather ``x`` into (cp, *x.shape). Backward: reduce-scatter of the
+    (cp, *x.shape) gradient, this rank keeping the sum of its slice."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
+        reduce_scatter_flat(out.view(-1), grad.contiguous().view(-1), ctx.group)
+        return out, None
+
+
+def gather_from_cp(x: torch.Tensor, group) -> torch.Tensor:
+    """Every cp rank's ``x`` stacked (cp, *x.shape); backward reduce-scatters."""
+    return _GatherFromCP.apply(x, group)
+
+
+def gather_ids(x: torch.Tensor, group) -> torch.Tensor:
+    """Every cp rank's ``x`` (no gradient) stacked (cp, *x.shape)."""
+    return _all_gather(x, group)
+
+
+class _Shift:
+    """A ring step in flight: ``wait()`` waits for the send and the receive and returns
+    the received tensor."""
+
+    def __init__(self, works, received: torch.Tensor):
+        self.works, self.received = works, received
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        self.works = []
+        return self.received
+
+
+def ring_shift(x: torch.Tensor, group, tag: int = 0) -> _Shift:
+    """Post the send of ``x`` to cp rank ``r+1`` and the receive of the same shape from
+    ``r-1`` (mod cp), returning at once. NCCL gets both as one batch (separate
+    isend/irecv around a ring could wait on each other); gloo's isend/irecv run on their
+    own threads. ``tag`` keeps two kinds of message between the same pair apart (at
+    cp 2 the next and the previous rank are one rank)."""
+    p, r = dist.get_world_size(group), dist.get_rank(group)
+    x = x.contiguous()
+    check_device(x, group)
+    received = torch.empty_like(x)
+    nxt, prev = (r + 1) % p, (r - 1) % p
+    if dist.get_backend(group) == "nccl":
+        ops = [dist.P2POp(dist.isend, x, group=group, tag=tag, group_peer=nxt),
+               dist.P2POp(dist.irecv, received, group=group, tag=tag, group_peer=prev)]
+        works = dist.batch_isend_irecv(ops)
+    else:
+        works = [dist.isend(x, group=group, tag=tag, group_dst=nxt),
+                 dist.irecv(received, group=group, tag=tag, group_src=prev)]
+    return _Shift(works, received)

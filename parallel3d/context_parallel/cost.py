@@ -1,0 +1,36 @@
+"""What context parallelism costs, for the planner: bytes a rank sends per attention
+layer (forward + backward) in each comm mode, and the attention work of a rank's queries.
+
+With ``kv = 2 B S Hkv D`` elements of K and V for the whole sequence (``b`` bytes each;
+dK/dV accumulators of ``g`` bytes each travel in the ring's backward)::
+
+    allgather:  forward all-gather (cp-1)/cp kv b,  backward reduce-scatter (cp-1)/cp kv b
+    ring:       forward (cp-1) shards of kv/cp (b),  backward (cp-1) shards (b) + cp shards (g)
+
+The gloo reduce-scatter (``distributed.reduce_scatter_flat``) sends the same (cp-1)/cp.
+Activation recomputation runs the forward again: add its share once more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_bytes_per_layer(comm: str, *, batch: int, seq_len: int, n_kv_heads: int, head_dim: int,
+                       cp: int, dtype_bytes: int = 2, grad_bytes: int = 4) -> float:
+    """Bytes one cp rank sends per attention layer, forward and backward."""
+    if cp == 1:
+        return 0.0
+    kv = 2 * batch * seq_len * n_kv_heads * head_dim
+    if comm == "allgather":
+        return 2 * (cp - 1) / cp * kv * dtype_bytes
+    if comm == "ring":
+        shard = kv / cp
+        return 2 * (cp - 1) * shard * dtype_bytes + cp * shard * grad_bytes
+    raise ValueError(f"context-parallel comm {comm!r}: use allgather or ring")
+
+
+def score_elements(q_positions: torch.Tensor) -> int:
+    """Unmasked causal score elements of queries at these global positions: ``sum (p + 1)``
+    (query ``p`` sees keys ``0..p``), the attention FLOPs up to a constant ``4 D H``."""
+    return int((q_positions.long() + 1).sum())

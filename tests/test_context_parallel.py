@@ -1,0 +1,178 @@
+"""Context parallelism (parallel3d/context_parallel) against full-sequence SDPA.
+
+Every rank builds the whole sequence's q, k, v and upstream gradient from one seed, runs
+torch's SDPA on it (causal, or the block-diagonal document mask of the model,
+``models/llama/documents.document_mask``) as the reference, then runs its own head-tail
+shard through ``context_parallel_attention`` and compares its output and the gradients
+of its q, k, v with the matching rows of the reference's. Grouped-query heads (4 query
+heads on 2 kv-heads) throughout; packed documents whose boundaries fall inside chunks.
+
+Pool of 4 gloo ranks: cp 4 on the world, and cp 2 as the groups {0, 2} and {1, 3} (the
+strided groups cp gets with tp 2 innermost: the ring's peers are group ranks, not global
+ranks).
+
+Tolerances, as error max|a - b| over max|ref| of the tensor compared:
+
+- fp32: 1e-5. The sharded computation sums the same products in another order (blocks
+  merged by their log-sum-exp, gradients summed over ranks); measured 1e-7 .. 6e-7.
+- bf16 (inputs rounded to bf16; the reference is fp32 SDPA on those rounded inputs):
+  ``4 u`` with u = 2^-8 bf16's unit roundoff. Along the longest path (dq) a value is
+  rounded to bf16 at most four times relative to magnitudes of the order of the result's
+  (the scores, P or dS before a product, the product, the final cast); the fp32 softmax
+  and accumulators add nothing at this scale. Measured 1.4e-3 .. 8.7e-3 (0.35 u .. 2.2 u);
+  torch's own bf16 SDPA on the whole sequence is 1.4e-3 .. 3e-3 off the same reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from parallel3d.context_parallel import (context_parallel_attention, contiguous_positions,
+                                         kv_bytes_per_layer, score_elements, shard_documents,
+                                         shard_positions, shard_sequence, unshard_sequence)
+from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
+from parallel3d.models.llama.documents import document_mask
+
+FP32_TOL = 1e-5  # see the module docstring
+BF16_TOL = 4 * 2.0 ** -8  # see the module docstring
+
+_GROUPS: dict[int, object] = {}
+
+
+def _cp_group(cp: int):
+    """This rank's cp group: the world at cp 4; {0, 2} / {1, 3} at cp 2. Created once per
+    worker (every rank takes part in creating every group)."""
+    if cp not in _GROUPS:
+        world = dist.get_world_size()
+        mine = None
+        for start in range(world // cp):
+            ranks = list(range(start, world, world // cp))
+            g = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = g
+        _GROUPS[cp] = mine
+    return _GROUPS[cp]
+
+
+def _packed_positions(S: int) -> torch.Tensor:
+    """(2, S) per-document positions; the documents cross chunk boundaries at any cp here
+    (chunks of 6 or 3 tokens at S = 24: lengths 5, 9, 3 ... and S-7, 7)."""
+    rows = [[5, 9, 3, S - 17], [S - 7, 7]]
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
+def _errors(cp: int, comm: str, dtype: torch.dtype, docs: bool, heads=(4, 2)) -> list[float]:
+    group = _cp_group(cp)
+    r = dist.get_rank(group)
+    torch.manual_seed(0)
+    (H, Hkv), B, D, S = heads, 2, 8, 24
+    q, k, v, d_out = (torch.randn(B, h, S, D).to(dtype) for h in (H, Hkv, Hkv, H))
+    positions = _packed_positions(S)
+    ref_q, ref_k, ref_v = (t.float().clone().requires_grad_() for t in (q, k, v))
+    mask = document_mask(positions) if docs else None
+    ref = F.scaled_dot_product_attention(ref_q, ref_k, ref_v, attn_mask=mask, is_causal=not docs,
+                                         enable_gqa=H != Hkv)
+    ref.backward(d_out.float())
+
+    def mine(t):
+        return shard_sequence(t, cp, r, dim=2)
+
+    lq, lk, lv = (mine(t).requires_grad_() for t in (q, k, v))
+    doc_ids = shard_documents(positions, cp, r)[1] if docs else None
+    out = context_parallel_attention(lq, lk, lv, group, comm=comm, doc_ids=doc_ids)
+    out.backward(mine(d_out))
+    pairs = [(out, ref), (lq.grad, ref_q.grad), (lk.grad, ref_k.grad), (lv.grad, ref_v.grad)]
+    assert all(a.dtype == dtype for a, _ in pairs)
+    return [float((a.float() - mine(b)).abs().max() / mine(b).abs().max()) for a, b in pairs]
+
+
+def _all_cases(cp: int, comm: str) -> dict:
+    return {(dtype, docs): _errors(cp, comm, dtype, docs)
+            for dtype in (torch.float32, torch.bfloat16) for docs in (False, True)}
+
+
+@pytest.mark.parametrize("comm", ["allgather", "ring"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_equals_full_sequence_sdpa(pools, cp, comm):
+    """Output and dq, dk, dv of every rank, fp32 and bf16, with and without documents."""
+    results = pools(4).run(_all_cases, cp, comm)
+    for rank, cases in enumerate(results):
+        for (dtype, docs), errs in cases.items():
+            tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+            assert max(errs) < tol, (f"rank {rank} {dtype} docs={docs}: out, dq, dk, dv off by "
+                                     f"{errs} (tolerance {tol})")
+
+
+def _mha(cp: int, comm: str) -> list[float]:
+    return _errors(cp, comm, torch.float32, True, heads=(2, 2))
+
+
+def test_multi_head_attention_without_grouping(pools):
+    for comm in ("allgather", "ring"):
+        for errs in pools(4).run(_mha, 4, comm):
+            assert max(errs) < FP32_TOL, (comm, errs)
+
+
+def test_cp_1_is_plain_attention():
+    """No group: causal or document-masked SDPA on the whole sequence."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    positions = _packed_positions(24)[:, :12]
+    out = context_parallel_attention(q, k, v, None, doc_ids=(positions == 0).cumsum(-1))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), enable_gqa=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_head_tail_sharding_round_trips_with_global_positions():
+    S, cp = 16, 2
+    x = torch.arange(S).view(1, S)
+    assert shard_sequence(x, cp, 0).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert shard_sequence(x, cp, 1).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    for cp in (1, 2, 4):
+        shards = [shard_sequence(x, cp, r) for r in range(cp)]
+        assert torch.equal(unshard_sequence(shards), x)
+        for r in range(cp):
+            assert torch.equal(shard_positions(S, cp, r), shards[r][0])
+    with pytest.raises(ValueError, match="multiple of 8"):
+        shard_sequence(torch.zeros(1, 12), 4, 0)
+
+
+def test_document_ids_stay_whole_window_numbers_across_chunks():
+    positions = _packed_positions(24)
+    ids = [shard_documents(positions, 4, r)[1] for r in range(4)]
+    pos = [shard_documents(positions, 4, r)[0] for r in range(4)]
+    assert torch.equal(unshard_sequence(ids), (positions == 0).cumsum(-1))
+    assert torch.equal(unshard_sequence(pos), positions)
+    # rank 1 holds chunk 1 (tokens 3..5: documents 1, 1, 2) of the first row
+    assert ids[1][0, :3].tolist() == [1, 1, 2]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_head_tail_balances_attention_work(cp):
+    """Unmasked causal score elements per rank (attention FLOPs / 4DH), S = 4096: head-tail
+    within 10% across ranks (exactly equal), contiguous chunks ~(2cp-1)x from first to last.
+    The ring computes exactly the unmasked elements: its plan's blocks (full c^2, causal
+    c(c+1)/2, fully masked ones skipped) add up to the same count on every rank."""
+    S = 4096
+    c = S // (2 * cp)
+    head_tail = [score_elements(shard_positions(S, cp, r)) for r in range(cp)]
+    contiguous = [score_elements(contiguous_positions(S, cp, r)) for r in range(cp)]
+    assert max(head_tail) / min(head_tail) <= 1.10, head_tail
+    assert contiguous[-1] / contiguous[0] >= 2.0, contiguous
+    size = {FULL: c * c, CAUSAL: c * (c + 1) // 2}
+    computed = [sum(size[kind] for step in ring_plan(cp, r) for _, _, kind in step) for r in range(cp)]
+    assert computed == head_tail
+    assert sum(head_tail) == S * (S + 1) // 2
+
+
+def test_kv_traffic_per_layer():
+    """Bytes a rank sends per layer: B 1, S 1024, 8 kv-heads of 128, bf16 K/V, fp32 dK/dV."""
+    kv = 2 * 1024 * 8 * 128
+    assert kv_bytes_per_layer("allgather", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=4) \
+        == 2 * 3 / 4 * kv * 2
+    assert kv_bytes_per_layer("ring", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=4) \
+        == 2 * 3 * kv / 4 * 2 + 4 * kv / 4 * 4
+    assert kv_bytes_per_layer("ring", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=1) == 0
