@@ -6,10 +6,13 @@ kernels on GPU for one causal sequence; packed documents either go through torch
 variable-length flash kernel, ``torch.nn.attention.varlen``, when the caller gives their
 spans and the device runs it, or pass a block-diagonal boolean mask to SDPA, which runs
 it with its memory-efficient kernel on GPU and its math kernel on CPU), a SwiGLU MLP, tied or untied
-embeddings; Qwen3's q/k norms, attention biases and a head width other than dim / heads.
+embeddings; Qwen3's q/k norms (OLMoE's over all heads at once), attention biases and a head
+width other than dim / heads. With ``cfg.moe`` the MLP of the sparse layers is a
+Mixture-of-Experts block (``models/moe``: Qwen2/3-MoE, Mixtral, OLMoE, DeepSeek-style
+routing); ``Llama.moe_stats`` and ``Llama.aux_loss`` read what its routers saw.
 
 This file imports nothing from parallel3d (only ``documents.py`` beside it, the attention
-over packed documents): ``parallelize.py`` beside it swaps in
+over packed documents, and the MoE block of ``models/moe``): ``parallelize.py`` beside it swaps in
 tensor-parallel layers and cuts pipeline stages. To make that possible without touching
 this code:
 
@@ -32,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe import MoEBlock, MoEConfig, RouterStats, load_balancing_loss
 from .documents import document_mask, varlen_attention, varlen_runs_on
 
 @dataclass(frozen=True)
@@ -53,12 +57,25 @@ class LlamaConfig:
     o_bias: bool = False
     # RMSNorm over each head's q and k before the rotation (Qwen3), weights of head_dim.
     qk_norm: bool = False
+    # The q and k norms span all heads at once, weights of n_heads * head_dim and
+    # n_kv_heads * head_dim (OLMo, OLMoE).
+    qk_norm_all_heads: bool = False
     # Width of one attention head when it is not dim / n_heads (Mistral-Nemo, Qwen3);
     # 0: dim / n_heads.
     head_dim_override: int = 0
     # Rotary frequency scaling as sorted (key, value) pairs of Hugging Face's
     # rope_scaling, e.g. (("factor", 8.0), ..., ("rope_type", "llama3")); () for none.
     rope_scaling: tuple = ()
+    # Mixture-of-Experts on the layers not in moe.dense_layers (a dict is read as the
+    # section, as JSON gives it back); None: every layer dense.
+    moe: MoEConfig | None = None
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.is_sparse(layer)
 
     @property
     def head_dim(self) -> int:
@@ -76,18 +93,27 @@ class LlamaConfig:
         if kind not in ROPE_SCALINGS:
             raise ValueError(f"rope scaling '{kind}' is not supported: parallel3d implements "
                              f"{sorted(ROPE_SCALINGS)}")
+        if self.moe is not None:
+            self.moe.validate()
+            outside = [i for i in self.moe.dense_layers if not 0 <= i < self.n_layers]
+            if outside:
+                raise ValueError(f"moe.dense_layers {outside} are not layers of model.n_layers {self.n_layers}")
 
     def num_params(self, include_embedding: bool = True) -> int:
         hd = self.head_dim
         attn = self.dim * (self.n_heads * hd) * 2 + self.dim * (self.n_kv_heads * hd) * 2
         if self.qkv_bias:
             attn += (self.n_heads + 2 * self.n_kv_heads) * hd
-        attn += self.dim * self.o_bias + 2 * hd * self.qk_norm
+        qk_norms = (self.n_heads + self.n_kv_heads) * hd if self.qk_norm_all_heads else 2 * hd
+        attn += self.dim * self.o_bias + qk_norms * self.qk_norm
         mlp = 3 * self.dim * self.ffn_dim
         per_layer = attn + mlp + 2 * self.dim
         emb = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         n = self.n_layers * per_layer + self.dim + head
+        if self.moe is not None:
+            sparse = sum(self.is_sparse(i) for i in range(self.n_layers))
+            n += sparse * (self.moe.num_params(self.dim) - mlp)
         return n + emb if include_embedding else n
 
 
@@ -212,9 +238,12 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=cfg.o_bias)
-        # Qwen3: an RMSNorm over each head's q and k (one weight of head_dim for all heads)
-        self.q_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(hd, cfg.norm_eps) if cfg.qk_norm else None
+        # Qwen3: an RMSNorm over each head's q and k (one weight of head_dim for all heads);
+        # OLMoE: over the whole projection (weights of its width), before the heads split.
+        self.qk_norm_all_heads = cfg.qk_norm_all_heads
+        q_width, k_width = (cfg.n_heads * hd, cfg.n_kv_heads * hd) if cfg.qk_norm_all_heads else (hd, hd)
+        self.q_norm = RMSNorm(q_width, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_width, cfg.norm_eps) if cfg.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | tuple | None = None) -> torch.Tensor:
@@ -225,9 +254,11 @@ class Attention(nn.Module):
         hd = self.head_dim
         # Head counts come from the projection widths: under tensor parallelism these are
         # the local heads of this rank.
-        q = self.q_proj(x).view(B, S, -1, hd)  # (B, S, h, hd)
-        k = self.k_proj(x).view(B, S, -1, hd)  # (B, S, kvh, hd)
-        if self.q_norm is not None:
+        q, k = self.q_proj(x), self.k_proj(x)  # (B, S, h * hd), (B, S, kvh * hd)
+        if self.q_norm is not None and self.qk_norm_all_heads:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(B, S, -1, hd), k.view(B, S, -1, hd)  # (B, S, h, hd), (B, S, kvh, hd)
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, h, S, hd), (B, kvh, S, hd)
         v = self.v_proj(x).view(B, S, -1, hd).transpose(1, 2)
@@ -280,12 +311,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEBlock(cfg.moe, cfg.dim) if cfg.is_sparse(index) else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | tuple | None = None) -> torch.Tensor:
@@ -314,7 +345,7 @@ class Llama(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed_tokens: nn.Module | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.Module | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head: nn.Module | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         # Under sequence parallelism the hidden states hold 1/sequence_shards of the
@@ -340,6 +371,20 @@ class Llama(nn.Module):
                 p.normal_(0.0, out_std)
             else:
                 p.normal_(0.0, std)
+
+    def moe_stats(self) -> list[RouterStats]:
+        """The routing statistics of this module's sparse layers in its last forward, in
+        layer order (a pipeline stage: its own layers)."""
+        return [layer.mlp.last_stats for layer in self.layers.values()
+                if isinstance(layer.mlp, MoEBlock) and layer.mlp.last_stats is not None]
+
+    def aux_loss(self, pooled: bool = True) -> torch.Tensor:
+        """The load-balancing loss of the last forward, without its coefficient
+        (``cfg.moe.aux_loss_coef``); pooled over layers as transformers computes it
+        (:func:`load_balancing_loss`). 0 for a dense model."""
+        if self.cfg.moe is None:
+            return torch.zeros(())
+        return load_balancing_loss(self.moe_stats(), self.cfg.moe.n_experts, pooled)
 
     def rope(self, seq_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.cfg.head_dim, seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling)

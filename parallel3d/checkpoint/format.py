@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -177,9 +177,9 @@ _IDENTITY_SKIP = {"init_std", "max_seq_len"}
 
 
 def model_identity(cfg) -> dict:
-    """The model config as it reads back from JSON (tuples become lists), every field; see
-    :func:`check_same_model`."""
-    return json.loads(json.dumps({f.name: getattr(cfg, f.name) for f in fields(cfg)}))
+    """The model config as it reads back from JSON (tuples become lists, the MoE section a
+    dict), every field; see :func:`check_same_model`."""
+    return json.loads(json.dumps(asdict(cfg)))
 
 
 def check_same_model(saved: dict, ours: dict, path: Path) -> None:
