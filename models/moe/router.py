@@ -74,9 +74,8 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, dim))
         nn.init.normal_(self.weight, std=0.02)
-        self.expert_bias: torch.Tensor | None = None
-        if cfg.expert_bias:
-            self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
+        bias = torch.zeros(cfg.n_experts, dtype=torch.float32) if cfg.expert_bias else None
+        self.register_buffer("expert_bias", bias)  # None: registered absent, not in the state dict
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x: (T, dim) -> :class:`Routing` of T tokens."""
