@@ -30,7 +30,7 @@ else:  # pragma: no cover
 from parallel3d.errors import UserError, did_you_mean
 
 from parallel3d.config_choices import (  # noqa: F401 - the choices are part of this module's API
-    AutoOnOff, Backend, DataSource, Dtype, HostMemory, LinearBackend, OnNonfinite, Packing, Recompute,
+    AutoOnOff, Backend, CpComm, DataSource, Dtype, HostMemory, LinearBackend, OnNonfinite, Packing, Recompute,
     Schedule, ZeroStage, checks_choices, choice)
 
 
@@ -66,6 +66,14 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    # Context parallelism: each sequence split over cp ranks (2 cp chunks, head-tail), the
+    # attention of local queries over the whole sequence by an all-gather of K/V or a ring
+    # of p2p steps (cp_comm); weights replicated, gradients reduced over dp x cp.
+    cp: int = 1
+    cp_comm: CpComm = "auto"
+    # Expert parallelism: the experts of each MoE layer split over ep ranks carved from dp
+    # (ep divides dp); tokens travel to their experts by all-to-all.
+    ep: int = 1
     # Tensor parallelism: norms on sequence shards, all-gather before the column-parallel
     # layers, reduce-scatter after the row-parallel ones (activation memory / tp).
     sequence_parallel: bool = False

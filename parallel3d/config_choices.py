@@ -21,6 +21,7 @@ from parallel3d.errors import UserError, did_you_mean
 # these values (tests/test_config.py).
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]  # pipeline.schedules.SCHEDULES
 LinearBackend = Literal["auto", "triton", "torch"]  # kernels.gemm.BACKENDS
+CpComm = Literal["auto", "allgather", "ring"]  # context_parallel attention modes
 ZeroStage = Literal[0, 1, 2]
 Dtype = Literal["auto", "fp32", "bf16"]  # train.optim.STORAGE_DTYPES
 Recompute = Literal["none", "full", "selective"]  # parallelize.RECOMPUTE, flops.RECOMPUTE_FLOPS

@@ -50,7 +50,7 @@ ROWS = [
     ("unknown-subcommand", ["trian"], {}, "invalid choice: 'trian'"),
     # -- layouts
     ("world-size", ["train", "--parallel.tp=2", "--parallel.dp=2", "--launch.nproc=2"], {},
-     "world size 2 != tp*pp*dp = 2*1*2 = 4"),
+     "world size 2 != tp*cp*pp*dp = 2*1*1*2 = 4"),
     ("negative-degree", ["train", "--parallel.dp=-1", "--launch.nproc=2"], {}, "parallel.dp must be a positive integer, got -1"),
     ("heads-vs-tp", ["train", "--parallel.tp=3", "--parallel.dp=1", "--launch.nproc=3"], {},
      "model.n_heads 4 is not divisible by parallel.tp 3"),

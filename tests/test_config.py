@@ -119,7 +119,7 @@ def test_each_choice_is_what_the_code_dispatching_on_it_handles():
               "train.recompute": [RECOMPUTE, RECOMPUTE_FLOPS], "train.dtype": [STORAGE_DTYPES],
               "data.packing": [PACKINGS], "launch.host_memory": [HOST_MEMORY]}
     # dispatched by comparing with one or two of the values, not through a table
-    branches = {"parallel.zero", "data.source", "launch.backend", "observability.progress",
+    branches = {"parallel.zero", "parallel.cp_comm", "data.source", "launch.backend", "observability.progress",
                 "reliability.on_nonfinite", "reliability.watchdog"}
     fields = dict(_choice_fields())
     assert set(fields) == set(tables) | branches, set(fields) ^ (set(tables) | branches)

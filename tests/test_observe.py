@@ -125,7 +125,7 @@ def test_breakdown_of_a_2x2x2_run_accounts_for_the_step(run_2x2x2):
         # names the rank with the most memory by its coordinates
         assert rec["min_step_time_s"] <= rec["max_step_time_s"]
         assert rec["min_peak_mem_bytes"] <= rec["peak_mem_bytes"]
-        assert set(rec["max_peak_mem_rank"]) == {"rank", "tp", "pp", "dp"}
+        assert set(rec["max_peak_mem_rank"]) == {"rank", "tp", "cp", "pp", "dp"}
         assert "mfu" not in rec
 
 
@@ -345,9 +345,9 @@ _FIGURES = {k: "float" for k in BREAKDOWN} | {
     "bubble_fraction": "float", "cpu_s": "float", "cpu_fwd_bwd_s": "float",
     "max_step_time_s": "float", "min_step_time_s": "float",
     "max_busy_s": "float", "min_busy_s": "float", "peak_mem_bytes": "int", "min_peak_mem_bytes": "int",
-    "max_step_time_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
-    "max_busy_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
-    "max_peak_mem_rank": {"rank": "int", "tp": "int", "pp": "int", "dp": "int"},
+    "max_step_time_rank": {"rank": "int", "tp": "int", "cp": "int", "pp": "int", "dp": "int"},
+    "max_busy_rank": {"rank": "int", "tp": "int", "cp": "int", "pp": "int", "dp": "int"},
+    "max_peak_mem_rank": {"rank": "int", "tp": "int", "cp": "int", "pp": "int", "dp": "int"},
     "mem_source": "str"}
 EXPECTED_RECORD_1 = {"step": "int", "loss": "float", "lr": "float", "grad_norm": "float",
                      "tokens_per_s": "float", "step_time_s": "float", "tflops_per_device": "float",

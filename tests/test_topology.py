@@ -69,7 +69,7 @@ def test_grid_matches_hand_worked_layout(layout):
     for axis, expected in GRIDS[layout].items():
         assert grid.all_groups(axis) == expected, axis
     for rank, (t, p, d) in COORDS[layout].items():
-        assert grid.coords(rank) == {"tp": t, "pp": p, "dp": d}
+        assert grid.coords(rank) == {"tp": t, "cp": 0, "pp": p, "dp": d}
         topo = Topology(tp, pp, dp, rank=rank, world_size=8, create_groups=False)
         assert (topo.tp_rank, topo.pp_rank, topo.dp_rank) == (t, p, d)
         assert topo.tp_ranks == _group_of(GRIDS[layout]["tp"], rank)
@@ -161,3 +161,56 @@ def test_an_axis_of_degree_1_has_no_group_and_every_rank_makes_the_same_calls(po
     for rank, r in enumerate(results):  # a middle stage holds no embedding either
         middle = 0 < COORDS[layout][rank][1] < layout[1] - 1
         assert r["none"] == none | ({"embed"} if middle else set()), (rank, r["none"])
+
+
+# The two new axes, worked out by hand from
+# rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank, ep carved from dp
+# (dp_rank = edp_rank * ep + ep_rank).
+CP_EP_GRIDS = {
+    # tp 2 x cp 2 x pp 2: cp between tp and dp; dense gradients reduce over dp x cp
+    (2, 2, 2, 1, 1): {
+        "tp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pp": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "dp_cp": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "mp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    },
+    # cp 2 x dp 4 with ep 2: experts split over consecutive dp ranks, replicated over the
+    # other dp block and over cp
+    (1, 2, 1, 4, 2): {
+        "cp": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "dp": [[0, 2, 4, 6], [1, 3, 5, 7]],
+        "dp_cp": [[0, 1, 2, 3, 4, 5, 6, 7]],
+        "ep": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "edp_cp": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    },
+}
+
+
+@pytest.mark.parametrize("layout", list(CP_EP_GRIDS))
+def test_cp_and_ep_groups_match_hand_worked_layouts(layout):
+    tp, cp, pp, dp, ep = layout
+    grid = RankGrid(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    for axis, expected in CP_EP_GRIDS[layout].items():
+        assert grid.all_groups(axis) == expected, axis
+    assert sorted(grid.rank_of(**{f"{k}_rank": v for k, v in grid.coords(r).items()})
+                  for r in range(8)) == list(range(8))
+
+
+def _cp_ep_groups(tp: int, cp: int, pp: int, dp: int, ep: int) -> dict:
+    topo = Topology(tp, pp, dp, cp=cp, ep=ep)
+    rank = dist.get_rank()
+    return {a: _members(getattr(topo, f"{a}_group"), rank) for a in CP_EP_GRIDS[(tp, cp, pp, dp, ep)]}
+
+
+@pytest.mark.parametrize("layout", list(CP_EP_GRIDS))
+def test_cp_and_ep_process_groups_on_8_gloo_ranks(pools, layout):
+    for rank, got in enumerate(pools(8).run(_cp_ep_groups, *layout)):
+        for axis, members in got.items():
+            assert members == _group_of(CP_EP_GRIDS[layout][axis], rank), (axis, rank)
+
+
+def test_every_layout_problem_is_named_at_once():
+    with pytest.raises(UserError) as err:
+        Topology(2, 1, 3, cp=2, ep=2, rank=0, world_size=8)
+    assert "tp*cp*pp*dp = 2*2*1*3 = 12" in str(err.value) and "parallel.ep 2 must divide parallel.dp 3" in str(err.value)

@@ -72,7 +72,8 @@ class Decision:
 
 def layout_overrides(layout: Layout) -> dict:
     """The recipe keys of ``layout`` (``pp_layers`` back to the balanced rule)."""
-    return {"parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "schedule": layout.schedule,
+    return {"parallel": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep,
+                         "schedule": layout.schedule,
                          "virtual_stages": layout.virtual_stages, "zero": layout.zero,
                          "sequence_parallel": layout.sequence_parallel, "pp_layers": None},
             "train": {"micro_batch": layout.micro_batch, "recompute": layout.recompute}}

@@ -1,7 +1,7 @@
 """What the planner evaluates: a workload (model, sequence, batch, precision) and a layout.
 
-A :class:`Layout` is everything the parallel recipe keys decide: the degrees, the
-micro-batch, the pipeline schedule, ZeRO, recomputation and sequence parallelism. It maps
+A :class:`Layout` is everything the parallel recipe keys decide: the degrees (tp, cp, pp,
+dp, and ep carved from dp), the micro-batch, the pipeline schedule, ZeRO, recomputation and sequence parallelism. It maps
 one to one onto ``[parallel]`` and ``[train]`` keys (:meth:`Layout.from_config`).
 """
 
@@ -56,10 +56,12 @@ class Layout:
     zero: int = 0
     recompute: str = "none"
     sequence_parallel: bool = False
+    cp: int = 1  # context parallelism: sequences split over cp ranks (weights replicated)
+    ep: int = 1  # expert parallelism, carved from dp
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def chunks(self) -> int:
@@ -70,7 +72,9 @@ class Layout:
         return work.global_batch // (self.micro_batch * self.dp)
 
     def describe(self) -> str:
-        parts = [f"tp{self.tp} pp{self.pp} dp{self.dp}", f"mb{self.micro_batch}"]
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        parts = [f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep}", f"mb{self.micro_batch}"]
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts.append(f"zero{self.zero}")
@@ -85,7 +89,8 @@ class Layout:
         par = cfg.parallel
         return cls(tp=par.tp, pp=par.pp, dp=par.dp, micro_batch=cfg.train.micro_batch,
                    schedule=par.schedule, virtual_stages=par.virtual_stages, zero=par.zero,
-                   recompute=cfg.train.recompute, sequence_parallel=par.sequence_parallel)
+                   recompute=cfg.train.recompute, sequence_parallel=par.sequence_parallel,
+                   cp=par.cp, ep=par.ep)
 
 
 def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None,

@@ -98,9 +98,9 @@ def count_params(module: torch.nn.Module, vocab_size: int) -> ParamCount:
 def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_rank: int = 0):
     """This rank's model as training builds it, on the meta device (no memory)."""
     par = cfg.parallel
-    grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp)
-    topo = Topology(par.tp, par.pp, par.dp, rank=grid.rank_of(tp_rank, pp_rank, 0),
-                    world_size=world_size, create_groups=False)
+    grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
+    topo = Topology.of(par, rank=grid.rank_of(tp_rank, pp_rank, 0), world_size=world_size,
+                       create_groups=False)
     with torch.device("meta"):
         model = Llama(model_cfg)
     module, _ = parallelize_llama(model, topo, par)
@@ -206,7 +206,7 @@ def _bytes_legend(dtype: str, zero: int, dp: int) -> str:
 
 def _print_split(cfg: JobConfig, split: list[int], out) -> None:
     par = cfg.parallel
-    grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp)
+    grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
     chunks_total = par.pp * par.virtual_stages
     out("stage split" + (" (parallel.pp_layers)" if par.pp_layers else " (balanced rule)") + ":")
     first = 0

@@ -47,7 +47,7 @@ def save_for_move(trainer) -> str:
 
 def new_topology(layout: Layout, old: Topology) -> Topology:
     """The groups of ``layout`` over the same world (collective on every rank)."""
-    return Topology(layout.tp, layout.pp, layout.dp, timeout_s=old.timeout_s)
+    return Topology.of(layout, timeout_s=old.timeout_s)
 
 
 def _destroy_groups(topo: Topology, extra=()) -> None:

@@ -33,7 +33,8 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
         _positive(f"train.{name}", getattr(train, name))
     if train.grad_clip < 0:
         raise UserError(f"train.grad_clip must be >= 0 (0 disables clipping), got {train.grad_clip}")
-    validate_layout(par.tp, par.pp, par.dp, world_size)
+    validate_layout(par.tp, par.pp, par.dp, world_size, par.cp, par.ep)
+    check_new_axes(par)
     check_observability(cfg.observability)
     check_memory_options(cfg)
     check_tensor_parallel(model, par.tp)  # heads, kv-heads, MLP width vs tp
@@ -141,6 +142,16 @@ def check_memory_options(cfg: JobConfig) -> None:
                         "set parallel.zero=1 or 2 (or parallel.offload_optimizer=false)")
     if par.bucket_mb <= 0:
         raise UserError(f"parallel.bucket_mb must be positive, got {par.bucket_mb}")
+
+
+def check_new_axes(par) -> None:
+    """cp and ep are axes of the topology and the layout (groups, rank order, checks), but
+    the trainer does not yet route attention through the context-parallel attention nor
+    MLPs through experts: refuse them in one line rather than train something else."""
+    for name, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
+        if getattr(par, name) > 1:
+            raise UserError(f"parallel.{name} {getattr(par, name)}: {what} is not yet wired into "
+                            f"training (the topology has its groups): set parallel.{name} = 1")
 
 
 def job_world_size(cfg: JobConfig) -> int:

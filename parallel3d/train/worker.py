@@ -41,9 +41,9 @@ def run_training(cfg: JobConfig) -> list[dict]:
         enable_flight_recorder(backend)
         timeout_s = backend_timeout_s(watchdog, rel.comm_timeout_s)
         init_from_env(backend, timeout_s)
-        topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, timeout_s=timeout_s)
+        topo = Topology.of(cfg.parallel, timeout_s=timeout_s)
     else:
-        topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, rank=0, world_size=1)
+        topo = Topology.of(cfg.parallel, rank=0, world_size=1)
     watch = CommWatch.for_process_group(topo, rel.comm_timeout_s, rel.heartbeat_s,
                                         watchdog=watchdog and topo.world_size > 1, dump_dir=cfg.run.dir)
     device = device_for(backend)
