@@ -74,3 +74,73 @@ def test_unknown_section_and_no_gpu_are_refused():
     if not torch.cuda.is_available():
         done = _run("--sections", "kernels", timeout=60)
         assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr
+
+
+_FAKE_KERNEL_TESTS = '''
+import pytest
+
+def test_fp32_reference():
+    assert 1 + 1 == 2
+
+@pytest.mark.gpu
+@pytest.mark.skipif(True, reason="needs a compiled GPU")
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_on_gpu(dtype):
+    pass
+'''
+
+
+def test_the_kernels_section_fails_when_every_gpu_marked_case_skipped(tmp_path):
+    """The kernels section, as it runs on a GPU (not --smoke), over a stand-in test file
+    whose CPU case passes and whose two gpu-marked cases skip (as they do wherever no CUDA
+    is seen): pytest exits 0, yet the section must fail, file row and total alike. The
+    same outcomes with the gpu cases passed are ok."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _acceptance as sections
+
+    test_file = tmp_path / "test_stand_in_kernels.py"
+    test_file.write_text(_FAKE_KERNEL_TESTS)
+    rows = []
+    sections.kernels(False, tmp_path / "work", rows.append, files=(str(test_file),))
+    assert [r["file"] for r in rows] == [str(test_file), "all"], rows
+    assert (rows[0]["passed"], rows[0]["skipped"], rows[0]["gpu-marked (bf16/fp16) passed"]) == (1, 2, "0 of 2")
+    assert rows[0]["check"] == "FAIL (all 2 gpu-marked cases skipped)", rows
+    assert rows[1]["check"] == "FAIL (no gpu-marked case ran)", rows
+
+    ran = {f"t.py::{name}": {"outcome": "passed", "gpu": gpu, "file": str(test_file)}
+           for name, gpu in (("cpu", False), ("bf16", True))}
+    assert [r["check"] for r in sections.kernel_rows((str(test_file),), ran, 0, smoke=False)] == ["ok", "ok"]
+    assert [r["check"] for r in sections.kernel_rows((str(test_file),), {}, 1, smoke=False)][-1].startswith("FAIL")
+
+
+def test_the_linear_check_catches_a_main_grad_that_is_overwritten_not_accumulated():
+    """linear_errors against float64 on a tail shape with bias and main_grad: torch's own
+    ops score at fp32 rounding (far under the 2e-5 bar), and a wgrad that writes dY^T X
+    over main_grad instead of adding to it is caught on that output alone."""
+    import types
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _acceptance as sections
+
+    def grad_weight(dy, x, bias_grad=False, main_grad=None):
+        dw = dy.t() @ x
+        if main_grad is not None:
+            main_grad += dw
+            dw = main_grad
+        return dw, dy.sum(0) if bias_grad else None
+
+    good = types.SimpleNamespace(linear_forward=lambda x, w, b=None: torch.nn.functional.linear(x, w, b),
+                                 linear_grad_input=lambda dy, w: dy @ w, linear_grad_weight=grad_weight)
+    errs = sections.linear_errors(good, 37, 53, 71, True, True, torch.float32, "cpu")
+    assert set(errs) == {"Y", "dX", "main_grad", "db"}
+    assert max(errs.values()) < sections._linear_tolerance(torch.float32, "Y"), errs
+
+    def overwriting(dy, x, bias_grad=False, main_grad=None):
+        main_grad.copy_(dy.t() @ x)
+        return main_grad, dy.sum(0) if bias_grad else None
+
+    bad = types.SimpleNamespace(**{**vars(good), "linear_grad_weight": overwriting})
+    errs = sections.linear_errors(bad, 37, 53, 71, True, True, torch.float32, "cpu")
+    assert errs["main_grad"] > 0.1 and errs["Y"] < 2e-5, errs
