@@ -232,8 +232,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def join_override_values(argv: list[str]) -> list[str]:
+    """``--section.key value`` as ``--section.key=value`` (argparse would otherwise take the
+    value for the recipe); a dotted option is always an override, so its next word, unless
+    it is an option itself, is its value."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:]
+        if (arg.startswith("--") and "=" not in arg and "." in name and i + 1 < len(argv)
+                and not argv[i + 1].startswith("--")):
+            out.append(f"{arg}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = drop_launcher_args(list(sys.argv[1:] if argv is None else argv))
+    argv = join_override_values(drop_launcher_args(list(sys.argv[1:] if argv is None else argv)))
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     try:

@@ -18,7 +18,7 @@ def _cli(*args, timeout=120):
 
 @pytest.mark.parametrize("args,needle", [
     (["--parallel.tp=2", "--parallel.pp=1", "--parallel.dp=2", "--launch.nproc=2"],
-     "world size 2 != tp*pp*dp = 2*1*2 = 4"),
+     "world size 2 != tp*cp*pp*dp = 2*1*1*2 = 4"),
     (["--parallel.tp=3", "--parallel.pp=1", "--parallel.dp=1", "--launch.nproc=3"],
      "model.n_heads 4 is not divisible by parallel.tp 3"),
     (["--parallel.tp=1", "--parallel.pp=8", "--parallel.dp=1", "--launch.nproc=8"],
@@ -26,6 +26,10 @@ def _cli(*args, timeout=120):
     (["--train.global_batch=10", "--train.micro_batch=4"],
      "train.global_batch 10 is not divisible by train.micro_batch 4 * parallel.dp 2 = 8"),
     (["--train.lrr=1"], "did you mean 'train.lr'"),
+    # every layout problem in the one line: the world size and the heads tp 3 cannot split
+    (["--parallel.tp=3"], "world size 8 != tp*cp*pp*dp = 3*1*2*2 = 12: change parallel.tp/cp/pp/dp "
+     "or the number of processes (launch.nproc); model.n_heads 4 is not divisible by parallel.tp 3"),
+    (["--parallel.cp=2", "--parallel.dp=1"], "parallel.cp 2: context parallelism is not yet wired"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
     proc, cpu_s = _cli("train", f"--run.dir={tmp_path}", *args)
@@ -36,6 +40,15 @@ def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
     # fast: importing torch and checking the job is ~2.5 s of CPU, well under the bound;
     # CPU seconds, not the clock's (27 s by the clock beside two busy loops)
     assert cpu_s < 20, cpu_s
+
+
+def test_an_override_takes_its_value_after_a_space(tmp_path):
+    """``--parallel.tp 2`` as argparse accepts options everywhere else (the value was taken
+    for the recipe's path)."""
+    proc, _ = _cli("train", "--parallel.tp", "1", "--parallel.dp", "4", "--run.dir", str(tmp_path),
+                   "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert "layout: tp 1 x pp 2 x dp 4;" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_launches_local_workers_and_logs_every_step(corpus_dir, tmp_path):

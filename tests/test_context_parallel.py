@@ -16,11 +16,14 @@ Tolerances, as error max|a - b| over max|ref| of the tensor compared:
 - fp32: 1e-5. The sharded computation sums the same products in another order (blocks
   merged by their log-sum-exp, gradients summed over ranks); measured 1e-7 .. 6e-7.
 - bf16 (inputs rounded to bf16; the reference is fp32 SDPA on those rounded inputs):
-  ``4 u`` with u = 2^-8 bf16's unit roundoff. Along the longest path (dq) a value is
-  rounded to bf16 at most four times relative to magnitudes of the order of the result's
-  (the scores, P or dS before a product, the product, the final cast); the fp32 softmax
-  and accumulators add nothing at this scale. Measured 1.4e-3 .. 8.7e-3 (0.35 u .. 2.2 u);
-  torch's own bf16 SDPA on the whole sequence is 1.4e-3 .. 3e-3 off the same reference.
+  ``4 u`` with u = 2^-8 bf16's unit roundoff. The ring rounds as a flash kernel does:
+  products accumulate in fp32, and along the longest path (dq: P or dS before a product,
+  the final cast) a value is rounded to bf16 twice, each within u of magnitudes of the
+  order of the result's; the all-gather mode's bf16 SDPA adds its own roundings. 4 u
+  leaves 2x over the worst measured: ring 4.1e-3 .. 5.6e-3 (1.4 u), all-gather
+  3.7e-3 .. 7.3e-3 (1.9 u); torch's own bf16 SDPA on the whole sequence is 5.5e-3
+  (1.4 u) off the same reference. An error of the method (a block of the wrong mask,
+  a missing gradient share) is O(1).
 """
 
 from __future__ import annotations
@@ -30,11 +33,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from parallel3d.context_parallel import (context_parallel_attention, contiguous_positions,
-                                         kv_bytes_per_layer, score_elements, shard_documents,
-                                         shard_positions, shard_sequence, unshard_sequence)
+from parallel3d.context_parallel import (choose_comm, context_parallel_attention, contiguous_positions,
+                                         document_keys, kv_bytes_per_layer, score_elements,
+                                         shard_documents, shard_positions, shard_sequence,
+                                         unshard_sequence)
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
+from parallel3d.models.llama import Llama, LlamaConfig
 from parallel3d.models.llama.documents import document_mask
+from parallel3d.models.llama.parallelize import apply_context_parallel
 
 FP32_TOL = 1e-5  # see the module docstring
 BF16_TOL = 4 * 2.0 ** -8  # see the module docstring
@@ -86,7 +92,7 @@ def _errors(cp: int, comm: str, dtype: torch.dtype, docs: bool, heads=(4, 2)) ->
     out.backward(mine(d_out))
     pairs = [(out, ref), (lq.grad, ref_q.grad), (lk.grad, ref_k.grad), (lv.grad, ref_v.grad)]
     assert all(a.dtype == dtype for a, _ in pairs)
-    return [float((a.float() - mine(b)).abs().max() / mine(b).abs().max()) for a, b in pairs]
+    return [float((a.detach().float() - mine(b)).abs().max() / mine(b).abs().max()) for a, b in pairs]
 
 
 def _all_cases(cp: int, comm: str) -> dict:
@@ -176,3 +182,72 @@ def test_kv_traffic_per_layer():
     assert kv_bytes_per_layer("ring", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=4) \
         == 2 * 3 * kv / 4 * 2 + 4 * kv / 4 * 4
     assert kv_bytes_per_layer("ring", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=1) == 0
+
+
+def test_document_keys_from_local_positions_compare_like_document_ids():
+    """A rank with only its per-document positions gets keys equal exactly where the whole
+    window's document ids are equal (any pair of tokens of any two ranks)."""
+    positions = _packed_positions(24)
+    for cp in (2, 4):
+        keys = unshard_sequence([document_keys(shard_sequence(positions, cp, r), cp, r)
+                                 for r in range(cp)])
+        ids = (positions == 0).cumsum(-1)
+        assert torch.equal(keys.unsqueeze(-1) == keys.unsqueeze(-2), ids.unsqueeze(-1) == ids.unsqueeze(-2))
+
+
+def test_auto_comm_gathers_under_grouped_query_attention():
+    assert choose_comm("auto", 32, 8) == "allgather"
+    assert choose_comm("auto", 16, 16) == "ring"
+    assert choose_comm("ring", 32, 8) == "ring"
+
+
+# -- the Llama model with its attention hook ----------------------------------------------
+
+TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
+
+
+def _model_errors(cp: int, comm: str, docs: bool) -> list[float]:
+    """The model at cp (``apply_context_parallel``) on this rank's chunks against the
+    plain model on whole sequences: logits of the rank's tokens, and every parameter's
+    gradient of the token-summed loss, summed over the cp group (each rank's loss covers
+    its tokens; the trainer reduces over dp x cp)."""
+    group = _cp_group(cp)
+    r = dist.get_rank(group)
+    torch.manual_seed(0)
+    full = Llama(TINY)
+    model = Llama(TINY)
+    model.load_state_dict(full.state_dict())
+    apply_context_parallel(model, group, comm)
+    B, S = 2, 24
+    tokens, targets = torch.randint(0, 64, (2, B, S))
+    positions = _packed_positions(S) if docs else torch.arange(S).expand(B, S)
+
+    logits = full(tokens, positions if docs else None)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
+
+    def mine(t):
+        return shard_sequence(t, cp, r, dim=1)
+
+    local = model(mine(tokens), mine(positions))
+    F.cross_entropy(local.flatten(0, 1), mine(targets).flatten(), reduction="sum").backward()
+    local, logits = local.detach(), logits.detach()
+    errs = [float((local - mine(logits)).abs().max() / mine(logits).abs().max())]
+    for (name, p), ref in zip(model.named_parameters(), full.parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=group)
+        errs.append(float((grad - ref.grad).abs().max() / ref.grad.abs().max()))
+    return errs
+
+
+def _model_cases(cp: int) -> dict:
+    return {(comm, docs): _model_errors(cp, comm, docs) for comm in ("allgather", "ring")
+            for docs in (False, True)}
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_llama_with_context_parallel_attention_equals_the_plain_model(pools, cp):
+    """fp32, 1e-5 of each tensor's largest entry (as the attention test: sums in another
+    order; the gradients are summed over cp ranks, a few ulps more)."""
+    for rank, cases in enumerate(pools(4).run(_model_cases, cp)):
+        for (comm, docs), errs in cases.items():
+            assert max(errs) < FP32_TOL, f"rank {rank} {comm} docs={docs}: logits, grads off by {errs}"

@@ -28,6 +28,7 @@ Parameter names follow Hugging Face's ``LlamaForCausalLM`` without the ``model.`
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields, replace
 
@@ -249,7 +250,8 @@ class Attention(nn.Module):
                 mask: torch.Tensor | tuple | None = None) -> torch.Tensor:
         """``mask``: None, one causal sequence per row; (B, 1, S, S) bool, attend where True
         (packed documents); or ``(cu_seqlens, max_len)``, the documents' spans over the
-        B*S flattened tokens (:func:`varlen_attention`)."""
+        B*S flattened tokens (:func:`varlen_attention`); or a callable ``fn(q, k, v)``
+        returning (B, h, S, hd), which attends in place of SDPA (``Llama.attention_fn``)."""
         B, S, _ = x.shape
         hd = self.head_dim
         # Head counts come from the projection widths: under tensor parallelism these are
@@ -264,6 +266,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, S, -1, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
+        if callable(mask):  # a replacement attention over the whole window (Llama.attention_fn)
+            out = mask(q, k, v)  # (B, h, S, hd)
+            return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
         if isinstance(mask, tuple):
             flat = [t.transpose(1, 2).reshape(B * S, t.shape[1], hd) for t in (q, k, v)]  # (B*S, h, hd)
             out = varlen_attention(*flat, *mask, gqa)
@@ -351,6 +356,11 @@ class Llama(nn.Module):
         # Under sequence parallelism the hidden states hold 1/sequence_shards of the
         # positions (set by parallelize); the rotary tables still cover the whole sequence.
         self.sequence_shards = 1
+        # Attention in place of SDPA / varlen, called fn(q, k, v, positions) with q (B, h, S, hd),
+        # k and v (B, kvh, S, hd) after rope and this forward's ``positions`` (or None); it
+        # masks by the positions itself. Context parallelism sets it (parallelize.py): the
+        # window then holds this rank's chunks of a longer sequence.
+        self.attention_fn = None
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.reset_parameters()
@@ -397,6 +407,9 @@ class Llama(nn.Module):
         mask = None
         if positions is not None:
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, S, hd)
+        if self.attention_fn is not None:
+            mask = functools.partial(self.attention_fn, positions=positions)
+        elif positions is not None:
             if cu_seqlens is not None and varlen_runs_on(h, self.cfg.head_dim):
                 mask = (cu_seqlens, max_doc_len)
             else:

@@ -23,6 +23,10 @@ all-reduce of the summed dX in backward, overlapped with their wgrad GEMMs). Wit
 sequence parallelism the residual stream and the norms hold S/p positions per rank; that
 node all-gathers the sequence, and the row-parallel layers reduce-scatter it back.
 
+Context parallelism (:func:`apply_context_parallel`) changes no weight: the model's input
+is this rank's head-tail chunks of each sequence, and attention reaches the rest of the
+sequence over the cp group (``parallel3d.context_parallel``).
+
 Every rank builds the full model from the seed and keeps its slices (``from_dense``), so
 the sharded model equals the unsharded one: that is the tp-aware initialisation. For
 models too big to build whole, see :mod:`parallel3d.models.llama.sharded_init`.
@@ -33,12 +37,14 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
                                     create_selective_checkpoint_contexts, noop_context_fn)
 
 from parallel3d.config import Recompute
+from parallel3d.context_parallel import ContextParallelAttention, choose_comm
 from parallel3d.errors import UserError
 from parallel3d.kernels import gemm  # noqa: F401 - registers torch.ops.parallel3d.linear_*
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
@@ -87,18 +93,27 @@ class VocabParallelLoss:
         return loss.sum() / (targets != IGNORE_INDEX).sum()
 
 
-def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
-    """Raise :class:`UserError` naming the numbers if ``cfg`` cannot be split over tp."""
+def tensor_parallel_problems(cfg: LlamaConfig, tp: int) -> list[str]:
+    """Every reason ``cfg`` cannot be split over tp, each naming the numbers."""
+    problems = []
     if cfg.n_heads % tp:
-        raise UserError(f"model.n_heads {cfg.n_heads} is not divisible by parallel.tp {tp}: "
+        problems.append(f"model.n_heads {cfg.n_heads} is not divisible by parallel.tp {tp}: "
                         "choose a tp that divides the number of heads")
     if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        raise UserError(
+        problems.append(
             f"model.n_kv_heads {cfg.n_kv_heads} and parallel.tp {tp}: one must divide the other "
             "(kv-heads are split when tp divides them, replicated when they divide tp)")
     if cfg.ffn_dim % tp:
-        raise UserError(f"model.ffn_dim {cfg.ffn_dim} is not divisible by parallel.tp {tp}: "
+        problems.append(f"model.ffn_dim {cfg.ffn_dim} is not divisible by parallel.tp {tp}: "
                         "choose a tp that divides the MLP width")
+    return problems
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:
+    """Raise :class:`UserError` naming the numbers if ``cfg`` cannot be split over tp."""
+    problems = tensor_parallel_problems(cfg, tp)
+    if problems:
+        raise UserError("; ".join(problems))
 
 
 def kv_rows(cfg: LlamaConfig, tp_rank: int, tp: int) -> tuple[tuple[int, int], int]:
@@ -162,6 +177,27 @@ def apply_tensor_parallel(model: Llama, topo, sequence_parallel: bool = False,
         model.lm_head = head
     # Hidden states between layers hold S/tp positions; rotary tables must cover S.
     model.sequence_shards = tp if sp else 1
+    return model
+
+
+def apply_context_parallel(model: Llama, cp_group, comm: str = "auto") -> Llama:
+    """Context parallelism on this rank's model or pipeline chunk (in place, after
+    :func:`apply_tensor_parallel`): attention over the whole sequence through
+    ``cp_group`` (``ContextParallelAttention``, ``comm`` "allgather" / "ring" / "auto"),
+    rotary tables covering cp times the rank's window. ``cp_group`` None (cp = 1): no
+    change.
+
+    The model then takes this rank's head-tail chunks of each sequence
+    (``context_parallel.shard_sequence``) and always their ``positions``: the global
+    positions (``shard_positions``), or the per-document positions of packed windows.
+    """
+    if cp_group is None:
+        return model
+    if model.attention_fn is not None:
+        raise ValueError("context parallelism already applied to this model")
+    model.attention_fn = ContextParallelAttention(cp_group, choose_comm(comm, model.cfg.n_heads,
+                                                                        model.cfg.n_kv_heads))
+    model.sequence_shards *= dist.get_world_size(cp_group)
     return model
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from .comm import gather_from_cp, gather_ids
 from .ring import ring_attention
-from .sharding import shard_positions, unshard_sequence
+from .sharding import document_keys, shard_positions, unshard_sequence
 
 COMMS = ("allgather", "ring")
 
@@ -83,3 +83,24 @@ def context_parallel_attention(q, k, v, group, *, comm: str = "allgather",
     if comm == "ring":
         return ring_attention(q, k, v, group, doc_ids, scale)
     return allgather_attention(q, k, v, group, doc_ids, scale)
+
+
+class ContextParallelAttention:
+    """The model's attention hook under context parallelism (``Llama.attention_fn``):
+    ``fn(q, k, v, positions)`` with this rank's head-tail q (B, H, S_l, D), k / v
+    (B, Hkv, S_l, D) and per-document positions (B, S_l) (or the global positions of an
+    unpacked window, which make one document). Without positions the rank cannot place
+    its tokens (rotary embeddings included): the loader must pass them."""
+
+    def __init__(self, group, comm: str = "allgather"):
+        if comm not in COMMS:
+            raise ValueError(f"context-parallel comm {comm!r}: use one of {', '.join(COMMS)}")
+        self.group, self.comm = group, comm
+        self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def __call__(self, q, k, v, positions):
+        if positions is None:
+            raise ValueError("context parallelism needs each token's position (the global positions of "
+                             "the rank's head-tail chunks, or per-document positions): pass positions")
+        doc_ids = document_keys(positions, self.cp, self.cp_rank)  # (B, S_l)
+        return context_parallel_attention(q, k, v, self.group, comm=self.comm, doc_ids=doc_ids)

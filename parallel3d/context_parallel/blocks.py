@@ -21,8 +21,11 @@ Backward of a block, given the *final* ``O``, ``lse`` and ``dO`` of the whole ro
     P = exp(S - lse)   dV = P^T dO   dP = dO V^T   dS = P (dP - delta)
     dQ = s dS K        dK = s dS^T Q    (dK, dV summed over the G heads of a kv-head)
 
-The products run in the input dtype (bf16 products accumulate in fp32 inside the GEMM);
-scores, softmax, ``P``-weights and the accumulators are fp32.
+Precision as a flash kernel's: every product takes operands in the input dtype (``P``
+and ``dS`` rounded to it, as flash rounds them before its second GEMMs) and accumulates
+and returns fp32 (``S`` and ``dP`` are never rounded: they feed ``exp`` and the
+cancelling ``dP - delta``); softmax, merge and accumulators are fp32. On this explicit
+path the fp32 products are ``_mm`` of upcast operands, a copy of the block's operands.
 """
 
 from __future__ import annotations
@@ -69,8 +72,13 @@ def block_mask(kind: str, n: int, q_docs: torch.Tensor | None, k_docs: torch.Ten
     return None if mask is None else mask.view(-1, 1, 1, n, n)
 
 
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of input-dtype operands, accumulated and returned in fp32."""
+    return torch.matmul(a.float(), b.float())
+
+
 def _scores(q, k, mask, scale) -> torch.Tensor:
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)).float() * scale  # (B, Hkv, G, cq, ck)
+    s = _mm(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, Hkv, G, cq, ck)
     return s if mask is None else s.masked_fill(~mask, float("-inf"))
 
 
@@ -80,7 +88,7 @@ def block_forward(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     s = _scores(q, k, mask, scale)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
-    out = torch.matmul(p.to(v.dtype), v.unsqueeze(2)).float()
+    out = _mm(p.to(v.dtype), v.unsqueeze(2))
     return out, lse
 
 
@@ -99,9 +107,9 @@ def block_backward(q, k, v, d_out, lse, delta, mask, scale):
     (B, Hkv, G, cq) fp32 of the whole row."""
     dt = q.dtype
     p = torch.exp(_scores(q, k, mask, scale) - lse.unsqueeze(-1))  # masked: exp(-inf) = 0
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p.to(dt), d_out).float()
-    dp = torch.matmul(d_out, v.unsqueeze(2).transpose(-1, -2)).float()
-    ds = (p * (dp - delta.unsqueeze(-1))).to(dt)
-    dq = torch.matmul(ds, k.unsqueeze(2)).float() * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q).float() * scale
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p.to(dt).float(), d_out.float())
+    dp = _mm(d_out, v.unsqueeze(2).transpose(-1, -2))
+    ds = (p * (dp - delta.unsqueeze(-1))).to(dt).float()
+    dq = _mm(ds, k.unsqueeze(2)) * scale
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float()) * scale
     return dq, dk, dv

@@ -34,3 +34,14 @@ def score_elements(q_positions: torch.Tensor) -> int:
     """Unmasked causal score elements of queries at these global positions: ``sum (p + 1)``
     (query ``p`` sees keys ``0..p``), the attention FLOPs up to a constant ``4 D H``."""
     return int((q_positions.long() + 1).sum())
+
+
+def choose_comm(comm: str, n_heads: int, n_kv_heads: int) -> str:
+    """``"auto"`` resolved until the planner's time model decides: ``"allgather"`` under
+    grouped-query attention (K/V are ``n_kv_heads / n_heads`` of Q: the gathered whole-
+    sequence K/V stay small, and one collective beats ``cp - 1`` steps), ``"ring"`` for
+    multi-head attention (gathered K/V would be ``2 cp`` times the local Q, kept for the
+    backward). Any other value is returned as given."""
+    if comm != "auto":
+        return comm
+    return "allgather" if n_kv_heads < n_heads else "ring"

@@ -15,7 +15,10 @@ Each rank keeps its tokens' *global* position ids, so rotary embeddings need no 
 Packed documents carry per-document positions (0 at each document start); the document
 ids (``(positions == 0).cumsum``, the numbering ``models/llama/documents.py`` uses) are
 computed on the whole sequence and sharded the same way, so a mask built from a rank's
-ids and another rank's ids stays right across chunk boundaries.
+ids and another rank's ids stays right across chunk boundaries. A rank that has only its
+own per-document positions gets keys that compare the same way from
+:func:`document_keys`: a token's document start, global position minus position in its
+document.
 """
 
 from __future__ import annotations
@@ -80,3 +83,13 @@ def shard_documents(positions: torch.Tensor, cp: int, cp_rank: int) -> tuple[tor
     whole window so that equal ids on two ranks mean the same document."""
     return (shard_sequence(positions, cp, cp_rank, dim=1),
             shard_sequence(document_ids(positions), cp, cp_rank, dim=1))
+
+
+def document_keys(positions: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
+    """Keys (B, S_l) that are equal exactly for tokens of one document, from this rank's
+    own per-document positions (B, S_l) (head-tail shard of a window of ``S_l * cp``):
+    each token's document start, ``global position - position in its document``. Usable
+    wherever document ids are (only equality is read). Positions that are the global
+    ones (no packing) give one key, 0, for the whole window."""
+    S_l = positions.shape[-1]
+    return shard_positions(S_l * cp, cp, cp_rank, device=positions.device) - positions

@@ -14,10 +14,10 @@ from parallel3d.config import JobConfig, ModelConfig
 from parallel3d.errors import UserError
 from parallel3d.models.llama import LlamaConfig
 from parallel3d.model_config import resolve_model_config  # noqa: F401 - re-exported
-from parallel3d.models.llama.parallelize import check_tensor_parallel
+from parallel3d.models.llama.parallelize import tensor_parallel_problems
 from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
-from parallel3d.topology import validate_layout
+from parallel3d.topology import layout_problems
 
 
 def _positive(name: str, value) -> None:
@@ -33,11 +33,15 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
         _positive(f"train.{name}", getattr(train, name))
     if train.grad_clip < 0:
         raise UserError(f"train.grad_clip must be >= 0 (0 disables clipping), got {train.grad_clip}")
-    validate_layout(par.tp, par.pp, par.dp, world_size, par.cp, par.ep)
+    # the layout's problems and the model's split over tp, all named in one message
+    problems = layout_problems(par.tp, par.pp, par.dp, world_size, par.cp, par.ep)
+    if isinstance(par.tp, int) and par.tp >= 1:
+        problems += tensor_parallel_problems(model, par.tp)  # heads, kv-heads, MLP width vs tp
+    if problems:
+        raise UserError("; ".join(problems))
     check_new_axes(par)
     check_observability(cfg.observability)
     check_memory_options(cfg)
-    check_tensor_parallel(model, par.tp)  # heads, kv-heads, MLP width vs tp
     if par.sequence_parallel and train.seq_len % par.tp:
         raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
                         "which parallel.sequence_parallel needs: change one or turn it off")
