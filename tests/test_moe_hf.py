@@ -160,3 +160,22 @@ def test_moe_configs_refused_by_name():
         config_to_hf(replace(cfg, moe=replace(cfg.moe, score_func="sigmoid", expert_bias=True)))
     with pytest.raises(ValueError, match="dense layers \\[0\\] have no olmoe spelling"):
         config_to_hf(replace(cfg, qk_norm_all_heads=True))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_convert_hf_to_parallel3d_checkpoint_to_hf_is_bit_identical(family, tmp_path):
+    """The same round trip through ``parallel3d convert``: the HF folder into a parallel3d
+    checkpoint (the nested MoE config in its index) and back to a Hugging Face folder."""
+    from parallel3d.checkpoint.convert import convert
+
+    _hf_folder(family, tmp_path / "hf")
+    convert(tmp_path / "hf", tmp_path / "ckpt", "parallel3d", progress=False)
+    convert(tmp_path / "ckpt", tmp_path / "back", "hf", progress=False)
+    want = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    got = safetensors_torch.load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert back["model_type"] == family
+    assert config_from_hf(back) == config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text()))

@@ -74,7 +74,9 @@ def _write_sums(folder: Path, files: dict) -> None:
 def write_hf(tmp: Path, source, *, cast=None, max_shard_bytes: int, progress=None, budget: int,
              threads: int) -> Output:
     names = hf_order([n for n in source.names() if n.startswith("model/")])
-    items = make_items(source, names, lambda n: name_to_hf(n[6:]), cast)
+    config = _hf_config(source, cast)
+    model_type = config.get("model_type", "llama")  # Mixtral names its experts its own way
+    items = make_items(source, names, lambda n: name_to_hf(n[6:], model_type), cast)
     files = _shards(items, max_shard_bytes, lambda s, k: SINGLE_NAME if k == 1
                     else f"model-{s + 1:05d}-of-{k:05d}.safetensors")
 
@@ -88,7 +90,7 @@ def write_hf(tmp: Path, source, *, cast=None, max_shard_bytes: int, progress=Non
         total = sum(it.nbytes for it in items)
         (tmp / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": total},
                                                   "weight_map": weight_map}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(_hf_config(source, cast), indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
     _write_sums(tmp, records)
     return Output(tmp, items, records, {f: [it.key for it in m] for f, m in files})
 
