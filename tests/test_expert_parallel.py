@@ -63,3 +63,40 @@ def test_expert_parallel_equals_one_process(pools, ep):
     counts = sum(r[3] for r in results)
     assert torch.equal(counts, ref.last_stats.tokens_per_expert)
     assert (ref.last_stats.tokens_per_expert == 0).any() or any((r[3] == 0).any() for r in results)
+
+
+def _ep_model_rank(cfg, state: dict, tokens_all: torch.Tensor):
+    """A whole MoE decoder with this rank's experts, on this rank's sequences."""
+    import torch.distributed as dist
+
+    from parallel3d.models.llama import Llama
+    from parallel3d.models.moe.parallelize import apply_expert_parallel
+
+    model = Llama(cfg)
+    model.load_state_dict(state)
+    apply_expert_parallel(model, dist.group.WORLD)
+    logits = model(tokens_all[dist.get_rank()])
+    logits.logsumexp(-1).sum().backward()
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if ".experts." in n}
+
+
+def test_moe_decoder_at_ep2_equals_one_process(pools):
+    """Qwen3-MoE-shaped (q/k norms, a dense first layer): every layer's experts split over 2
+    ranks; logits of each rank's sequences and the experts' gradients equal one process."""
+    from parallel3d.models.llama import Llama, LlamaConfig
+
+    moe = MoEConfig(n_experts=4, top_k=2, ffn_dim=12, norm_topk_prob=True, dense_layers=(0,))
+    cfg = LlamaConfig(vocab_size=53, dim=DIM, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=24,
+                      qk_norm=True, moe=moe)
+    torch.manual_seed(7)
+    ref = Llama(cfg)
+    tokens_all = torch.randint(0, 53, (2, 2, 9))
+    logits = ref(tokens_all.flatten(0, 1))
+    logits.logsumexp(-1).sum().backward()
+    results = pools(2).run(_ep_model_rank, cfg, ref.state_dict(), tokens_all)
+    want = logits.detach().view(2, 2, 9, -1)
+    for rank, (got, grads) in enumerate(results):
+        assert (got - want[rank]).abs().max() < 1e-5  # fp32, reassociation only (as above)
+        assert len(grads) == 2 * 2 * 3  # 2 sparse layers x 2 experts x 3 matrices
+        for name, grad in grads.items():
+            assert (grad - ref.get_parameter(name).grad).abs().max() < 1e-5, name
