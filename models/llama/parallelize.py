@@ -205,7 +205,9 @@ def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, call
     """Return (this rank's model, its loss function).
 
     Pipeline parallelism first cuts this rank's chunks (:func:`cut_pipeline_stages`), then
-    tensor parallelism splits each chunk (:func:`apply_tensor_parallel`); a zero-bubble
+    tensor parallelism splits each chunk (:func:`apply_tensor_parallel`) and context
+    parallelism routes its attention through the cp group (:func:`apply_context_parallel`;
+    the chunk then takes this rank's head-tail tokens and their positions); a zero-bubble
     schedule has every weight's backward split into B and W
     (:func:`split_llama_weight_grads`), except on the first chunk, whose backward runs
     whole. With ``pp > 1`` the model is a :class:`PipelineStage`: this rank's chunks
@@ -215,6 +217,7 @@ def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, call
     chunks = cut_pipeline_stages(model, topo, parallel_cfg) if topo.pp > 1 else [model]
     for chunk in chunks:
         apply_tensor_parallel(chunk, topo, parallel_cfg.sequence_parallel, parallel_cfg.linear_backend)
+        apply_context_parallel(chunk, topo.cp_group, parallel_cfg.cp_comm)  # cp 1: no group, no change
         # The first chunk's backward always runs undivided (its input gradient has no
         # reader: parallel3d.pipeline.actions.undivided_backwards): its layers keep
         # torch's own backward rather than the split's autograd functions.
@@ -231,11 +234,13 @@ def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, call
 # -- pipeline stages -----------------------------------------------------------------------
 
 def activation_shape(model_cfg: LlamaConfig, micro_batch: int, seq_len: int, tp: int = 1,
-                     sequence_parallel: bool = False) -> tuple[int, int, int]:
+                     sequence_parallel: bool = False, cp: int = 1) -> tuple[int, int, int]:
     """What one pipeline stage hands the next (and the gradient that comes back): the
-    hidden states ``(micro_batch, seq_len, dim)``, or ``(micro_batch, seq_len/tp, dim)``
-    under sequence parallelism, where each tp rank holds its shard of the positions."""
-    return (micro_batch, seq_len // tp if sequence_parallel else seq_len, model_cfg.dim)
+    hidden states of this rank's tokens, ``(micro_batch, seq_len/cp, dim)`` (a cp rank
+    holds its head-tail chunks), or ``(micro_batch, seq_len/cp/tp, dim)`` under sequence
+    parallelism, where each tp rank holds its shard of those."""
+    local = seq_len // cp
+    return (micro_batch, local // tp if sequence_parallel else local, model_cfg.dim)
 
 
 def stage_costs(cfg: LlamaConfig) -> tuple[float, float]:
