@@ -168,6 +168,17 @@ def _kw(c: dict[str, int]) -> dict[str, int]:
     return {"tp_rank": c["tp"], "pp_rank": c["pp"], "dp_rank": c["dp"], "cp_rank": c["cp"]}
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """A set of ranks holding the same weights: ``size`` of them, this rank ``rank`` among
+    them, their ``group`` (None when ``size`` is 1). Gradients average over it and the
+    ZeRO optimizer shards over it."""
+
+    size: int
+    rank: int
+    group: object = None
+
+
 class Topology:
     """This rank's place in the tp x cp x pp x dp grid (ep carved from dp), with its
     process groups.
@@ -296,6 +307,21 @@ class Topology:
     @property
     def edp(self) -> int:
         return self.grid.edp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same dense weights (dp x cp): what gradients average over."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in ``dp_cp_ranks`` (ordered by dp rank, then cp rank)."""
+        return self.dp_rank * self.cp + self.cp_rank
+
+    def replicas(self) -> "Replicas":
+        """The ranks holding this rank's dense weights: where their gradients are averaged
+        and ZeRO shards them (dp x cp)."""
+        return Replicas(self.dp_cp, self.dp_cp_rank, self.dp_cp_group)
 
     # -- pipeline neighbours ---------------------------------------------------------------
     @property

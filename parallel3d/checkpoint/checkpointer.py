@@ -34,7 +34,7 @@ from .state import Slot, param_placements, read_block, rng_state, set_rng_state
 
 
 def _layout(cfg, topo) -> dict:
-    return {"tp": topo.tp, "pp": topo.pp, "dp": topo.dp, "world_size": topo.world_size,
+    return {"tp": topo.tp, "cp": topo.cp, "pp": topo.pp, "dp": topo.dp, "ep": topo.ep, "world_size": topo.world_size,
             "zero": getattr(cfg.parallel, "zero", 0)}
 
 
@@ -119,7 +119,7 @@ class Checkpointer:
         """Fill ``model``'s parameters from the checkpoint to resume, or from
         ``model.hf_checkpoint``; returns where they came from (None: seeded init kept)."""
         found = self._source_to_resume()  # every rank alike: nothing writes before training starts
-        placements = param_placements(model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
+        placements = param_placements(model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp)
         if found is not None:
             self.reader = found
             saved = found.index.model if isinstance(found, CheckpointReader) else model_identity(found.model_config)
@@ -153,7 +153,7 @@ class Checkpointer:
         if self.reader is None:
             return 0
         trainer_state = self.reader.trainer or {}
-        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
+        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp)
         had_optimizer = load_optimizer(trainer.optimizer, placements, trainer_state.get("optimizer"),
                                        self.reader)
         step = int(trainer_state.get("step", self.reader.step))
@@ -268,7 +268,7 @@ class Checkpointer:
         if wait is not None:
             wait()  # a sharded optimizer may still be gathering the updated parameters
         self.writer.wait()  # the previous background save, before state is copied again
-        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_rank, self.topo.dp)
+        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp)
         slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
                  for p in trainer.model.parameters() if placements[id(p)].writer]
         opt_scalars, opt_slots = optimizer_slots(trainer.optimizer, placements)

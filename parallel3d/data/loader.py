@@ -38,7 +38,7 @@ def step_micro_batches(windows, sampler: GlobalBatchSampler, position: int) -> l
     pairs from :class:`TokenWindows`; from :class:`PackedWindows`, micro-batches carrying
     positions and the loss divisor, the supervised targets of the whole global batch
     (counted by every rank from the sampler, no collective) over dp."""
-    if not isinstance(windows, PackedWindows):
+    if not isinstance(getattr(windows, "windows", windows), PackedWindows):  # a cp shard wraps them
         return [windows.batch(idx) for idx in sampler.indices_at(position)]
     divisor = max(1, windows.supervised(sampler.global_indices_at(position))) / sampler.dp
     return [windows.micro_batch(idx, divisor) for idx in sampler.indices_at(position)]

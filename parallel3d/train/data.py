@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.config import DataConfig, JobConfig
+from parallel3d.data.context_shard import ContextShardWindows
 from parallel3d.data.checks import SMALL_DATA_BYTES, IdRangeCheck, ShardVerifier, dataset_bytes
 from parallel3d.data.format import PreparedDataset, open_dataset
 from parallel3d.data.batch import MicroBatch
@@ -104,6 +105,12 @@ def make_windows(dataset: PreparedDataset, split: str, seq_len: int, packing: st
                          whole=packing == "whole", pad_id=dataset.eos_id, what=what)
 
 
+def _for_rank(windows, topo: Topology):
+    """The windows as this rank reads them: at cp > 1, its head-tail chunks of each
+    sequence (:class:`ContextShardWindows`)."""
+    return ContextShardWindows(windows, topo.cp, topo.cp_rank) if topo.cp > 1 else windows
+
+
 def start_verifier(dataset: PreparedDataset, topo: Topology, device: torch.device) -> ShardVerifier:
     """Hash the shards (this rank's share); small data is agreed on before training
     starts, larger data is polled at each step by the loader."""
@@ -128,7 +135,7 @@ def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
         check_same_tokenizer(dataset, cfg.model.hf_checkpoint)
     train = cfg.train
     packing = packing_of(cfg.data, dataset)
-    windows = make_windows(dataset, "train", train.seq_len, packing, "the training split")
+    windows = _for_rank(make_windows(dataset, "train", train.seq_len, packing, "the training split"), topo)
     sampler = GlobalBatchSampler(windows.num_samples, train.global_batch, train.micro_batch,
                                  topo.dp, topo.dp_rank, train.seed, dataset.fingerprint)
     verifier = start_verifier(dataset, topo, device)
@@ -141,7 +148,8 @@ def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
         val_tokens = dataset.split("val")
         have = max(0, (len(val_tokens) - 1) // train.seq_len)
         if have:
-            val_windows = make_windows(dataset, "val", train.seq_len, packing, "the validation split")
+            val_windows = _for_rank(make_windows(dataset, "val", train.seq_len, packing, "the validation split"),
+                                    topo)
             have = val_windows.num_samples
         if have < need:
             raise UserError(

@@ -42,6 +42,7 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     check_new_axes(par)
     check_observability(cfg.observability)
     check_memory_options(cfg)
+    check_context_parallel(par, train.seq_len)
     if par.sequence_parallel and train.seq_len % par.tp:
         raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
                         "which parallel.sequence_parallel needs: change one or turn it off")
@@ -149,13 +150,24 @@ def check_memory_options(cfg: JobConfig) -> None:
 
 
 def check_new_axes(par) -> None:
-    """cp and ep are axes of the topology and the layout (groups, rank order, checks), but
-    the trainer does not yet route attention through the context-parallel attention nor
-    MLPs through experts: refuse them in one line rather than train something else."""
-    for name, what in (("cp", "context parallelism"), ("ep", "expert parallelism")):
-        if getattr(par, name) > 1:
-            raise UserError(f"parallel.{name} {getattr(par, name)}: {what} is not yet wired into "
-                            f"training (the topology has its groups): set parallel.{name} = 1")
+    """ep is an axis of the topology and the layout (groups, rank order, checks), but the
+    trainer does not yet route MLPs through experts on other ranks: refuse it in one line
+    rather than train something else."""
+    if par.ep > 1:
+        raise UserError(f"parallel.ep {par.ep}: expert parallelism is not yet wired into training "
+                        "(the topology has its groups): set parallel.ep = 1")
+
+
+def check_context_parallel(par, seq_len: int) -> None:
+    """Each sequence cuts into 2 cp equal chunks (head-tail), and under sequence
+    parallelism a rank's S / cp tokens split over tp."""
+    if seq_len % (2 * par.cp):
+        raise UserError(f"train.seq_len {seq_len} does not split into 2 x parallel.cp = {2 * par.cp} equal "
+                        f"chunks: use a multiple of {2 * par.cp}, or change parallel.cp")
+    if par.sequence_parallel and (seq_len // par.cp) % par.tp:
+        raise UserError(f"train.seq_len {seq_len} / parallel.cp {par.cp} = {seq_len // par.cp} tokens a rank is "
+                        f"not divisible by parallel.tp {par.tp}, which parallel.sequence_parallel needs: "
+                        "change one or turn it off")
 
 
 def job_world_size(cfg: JobConfig) -> int:

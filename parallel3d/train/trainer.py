@@ -102,7 +102,7 @@ class Trainer:
         self.schedule = build_schedule(
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
             activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
-                                              topo.tp, cfg.parallel.sequence_parallel),
+                                              topo.tp, cfg.parallel.sequence_parallel, topo.cp),
             autocast=autocast_for(cfg.train, self.device), timeline=self.timeline, watch=self.watch)
         self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
                                      global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
@@ -180,13 +180,14 @@ class Trainer:
     def _step_sums(self, norm_share: torch.Tensor, loss_part: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The step's one collective: over the world, the sum of this rank's share of the
         squared gradient norm, of its share of the loss (the last stage's loss on its first
-        tp rank; the dp ranks' losses average) and of the previous step's per-rank
+        tp rank; the dp x cp ranks' losses average: each cp rank's is the mean over its
+        equal share of the tokens) and of the previous step's per-rank
         figures, with the maxima and minima of those figures (a payload of fixed size,
         :meth:`StepObserver.payload`). Returns (global norm, loss) and completes the
         previous step's record.
 
         Sums are taken in fp64 and rounded to fp32 before the square root and the division
-        by dp, which for two contributors is exactly the fp32 sum."""
+        by dp x cp, which for two contributors is exactly the fp32 sum."""
         topo, timeline = self.topo, self.timeline
         # the tp ranks of the last stage hold the same loss: the first one counts it
         loss_share = loss_part if topo.tp_rank == 0 else torch.zeros_like(loss_part)
@@ -201,7 +202,7 @@ class Trainer:
         head = sums[:2].float()
         if previous is not None:
             self._complete(previous[0], self.observer.summary(sums[2:], maxes))
-        return head[0].sqrt(), float(head[1] / topo.dp)
+        return head[0].sqrt(), float(head[1] / topo.dp_cp)  # each dp x cp replica's share
 
     def _complete(self, record: dict, summary: dict) -> None:
         """Add the every-rank figures to ``record``; every ``straggler_interval`` steps,
@@ -239,7 +240,7 @@ class Trainer:
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for b in range(n_batches):
             total += self.schedule.forward_only(self.data.val_micro_batches(b)) / n_batches
-        return float(all_reduce(total, self.topo.dp_group) / self.topo.dp)
+        return float(all_reduce(total, self.topo.dp_cp_group) / self.topo.dp_cp)
 
     def _check_numbers(self, loss: float, grad_norm: float) -> dict:
         """Skip or stop on a non-finite step, flag a loss spike (same on every rank: the

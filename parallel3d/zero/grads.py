@@ -92,9 +92,10 @@ class GradReducer:
     def __init__(self, params: list[torch.nn.Parameter], layout: BucketLayout, topo,
                  stage: int, device: torch.device):
         self.params, self.layout, self.stage = params, layout, stage
-        self.dp = topo.dp
-        self.shard_rank = topo.dp_rank if stage > 0 else 0
-        self.group = topo.dp_group  # None at dp = 1: nothing to reduce
+        replicas = topo.replicas()  # dp x cp: ranks holding the same weights
+        self.dp = replicas.size
+        self.shard_rank = replicas.rank if stage > 0 else 0
+        self.group = replicas.group  # None at one replica: nothing to reduce
         self.trace: list | None = None
         self.on_issue = self.on_done = None
         self.full = None
@@ -168,7 +169,8 @@ class GradReducer:
 
     @torch.no_grad()
     def reduced(self) -> torch.Tensor:
-        """The fp32 gradient (shard), summed over micro-batches and averaged over dp."""
+        """The fp32 gradient (shard), summed over micro-batches and averaged over the
+        replicas (dp x cp)."""
         if self.full is not None:
             self._adopt_foreign_grads()
             for b, bucket in enumerate(self.layout.buckets):

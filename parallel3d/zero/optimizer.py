@@ -95,11 +95,14 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self.params = _unique(params)
         self.cfg, self.topo, self.stage, self.offload = cfg, topo, stage, offload
         self.timeline = timeline
-        self.dp, self.dp_rank = topo.dp, topo.dp_rank
-        # stage 0: every dp rank holds the whole state (one "shard" of the whole layout)
+        # The ranks holding the same weights (dp x cp; context-parallel ranks hold the same
+        # weights as data-parallel ones): gradients average, and stages 1/2 shard, over them.
+        replicas = topo.replicas()
+        self.dp, self.dp_rank = replicas.size, replicas.rank
+        # stage 0: every replica holds the whole state (one "shard" of the whole layout)
         self.shards_over_dp = stage > 0
-        self.shard_dp, self.shard_rank = (topo.dp, topo.dp_rank) if stage > 0 else (1, 0)
-        self.dp_group = topo.dp_group  # None at dp = 1
+        self.shard_dp, self.shard_rank = (replicas.size, replicas.rank) if stage > 0 else (1, 0)
+        self.dp_group = replicas.group  # None at one replica
         meta = self.params[0].is_meta
         if meta and (model is None or device is None):
             raise ValueError("meta parameters need the model they belong to and a device")

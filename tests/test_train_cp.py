@@ -1,0 +1,94 @@
+"""Context parallelism in training: each sequence split over the cp ranks (head-tail
+chunks), attention over the whole sequence, gradients averaged over dp x cp; the losses
+of every layout equal one process's (fp32, 1e-5, the parity bar of every layout test)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel3d.config import config_from_dict
+from parallel3d.topology import Topology
+from parallel3d.train.trainer import Trainer
+
+from helpers import relative_diff, tiny_job
+
+STEPS = 10
+
+
+def _job(corpus_dir, run_dir, **parallel) -> dict:
+    # seq_len 32 cuts into 2 x cp = 8 chunks at cp 4; global 8 / micro 2 = 4 micro-batches
+    # >= pp; validation at steps 5 and 10 (a tenth of the corpus held out), through the
+    # pipeline's forward-only pass where pp > 1
+    return tiny_job(corpus_dir, run_dir, train={"steps": STEPS, "global_batch": 8, "micro_batch": 2,
+                                                "grad_clip": 0.5},
+                    eval={"interval": 5, "batches": 1}, data={"val_fraction": 0.1}, parallel=parallel)
+
+
+def _train(job: dict) -> dict:
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology.of(cfg.parallel))
+    history = trainer.fit()
+    return {"losses": [h["loss"] for h in history], "val": [h.get("val_loss") for h in history]}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus_dir, tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("parallel", [
+    {"cp": 2, "cp_comm": "allgather"},
+    {"cp": 2, "cp_comm": "ring"},
+    {"cp": 4, "cp_comm": "allgather"},
+    {"cp": 4, "cp_comm": "ring"},
+    {"cp": 2, "dp": 2, "zero": 2},
+    {"tp": 2, "cp": 2, "pp": 2, "sequence_parallel": True, "schedule": "1f1b", "zero": 1},
+    {"tp": 2, "cp": 2, "pp": 2, "sequence_parallel": True, "schedule": "zb-h1", "cp_comm": "ring"},
+], ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_context_parallel_trains_as_one_process(pools, corpus_dir, tmp_path, reference, parallel):
+    parallel = {"tp": 1, "pp": 1, "dp": 1, **parallel}
+    world = parallel["tp"] * parallel["pp"] * parallel["dp"] * parallel["cp"]
+    ranks = pools(world).run(_train, _job(corpus_dir, str(tmp_path), **parallel))
+    for got in ranks:
+        assert relative_diff(got["losses"], reference["losses"]) < 1e-5, (got["losses"], reference["losses"])
+        vals = [v for v in got["val"] if v is not None]
+        ref_vals = [v for v in reference["val"] if v is not None]
+        assert len(vals) == len(ref_vals) == 2 and relative_diff(vals, ref_vals) < 1e-5
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    """Chat conversations packed whole (``packing = whole``): documents restart their
+    positions inside a window and only assistant turns are trained on."""
+    from chat_inputs import make_chat_tokenizer, make_conversations, write_jsonl
+    from parallel3d.data.prepare import prepare_data
+
+    root = tmp_path_factory.mktemp("chat")
+    tok = make_chat_tokenizer(root / "tok", "chatml")
+    write_jsonl(root / "in" / "chats.jsonl", make_conversations(120, seed=1))
+    prepare_data([str(root / "in")], tok, root / "data", workers=1, progress=False, format="chat")
+    return str(root / "data")
+
+
+def _chat_job(data: str, run_dir: str, **parallel) -> dict:
+    job = tiny_job("", run_dir, model={"vocab_size": 640, "n_layers": 2},
+                   train={"steps": 4, "global_batch": 8, "micro_batch": 1, "seq_len": 128,
+                          "grad_clip": 0.0, "warmup_steps": 1}, parallel=parallel)
+    job["data"] = {"path": data}
+    return job
+
+
+def test_packed_chat_documents_at_cp2_train_as_one_process(pools, chat_data, tmp_path):
+    """Documents cross the chunk boundaries of the head-tail split: each rank's attention
+    keeps to its tokens' documents (their starts derived from its positions) and the
+    masked loss's divisor counts the replicas dp x cp."""
+    ref = pools(1).run(_train, _chat_job(chat_data, str(tmp_path / "ref")))[0]
+    for comm in ("allgather", "ring"):
+        for got in pools(2).run(_train, _chat_job(chat_data, str(tmp_path / comm), cp=2, cp_comm=comm)):
+            assert relative_diff(got["losses"], ref["losses"]) < 1e-5, (comm, got["losses"], ref["losses"])
