@@ -36,28 +36,42 @@ def counts_in_norm(p: torch.nn.Parameter) -> bool:
     return getattr(p, "p3d_norm_owner", True)
 
 
-# Norms are taken over pieces of at most this many elements and their squares summed in
-# fp64: torch's CPU fp32 norm accumulates sequentially, and its relative error grows with
-# the length (measured: 4e-8 at 64k elements, 2e-6 at 256k, 9e-5 at 4M), enough to change
-# the clipping coefficient, hence every update, between layouts that hold the same
-# gradients in differently sized buffers.
-NORM_PIECE = 1 << 14
+# Each gradient is read as rows of this many elements (and a shorter tail row): one norm
+# kernel per tensor gives every row's fp32 norm, and the squares of those are summed in
+# fp64. Not torch's norm of the whole tensor: on CPU it accumulates fp32 sequentially, its
+# relative error growing with the length (measured: 4e-8 at 64k elements, 2e-6 at 256k,
+# 9e-5 at 4M), enough to change the clipping coefficient, hence every update, between
+# layouts that hold the same gradients in differently sized buffers; over rows of 1024
+# the error is 1e-9 at 100M elements (benchmarks/bench_grad_norm.py). One call per tensor
+# (a flat bucket: a few per step), where the former 16k-element pieces made 61k views
+# and a stack of as many scalars per step at 1B elements (benchmarks/README.md).
+NORM_ROW = 1 << 10
 
 
 def norm_pieces(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat views of ``tensors`` (contiguous) of at most :data:`NORM_PIECE` elements."""
-    return [piece for t in tensors for piece in t.reshape(-1).split(NORM_PIECE)]
+    """Each of ``tensors`` (contiguous), flat, as a ``(numel // NORM_ROW, NORM_ROW)`` view
+    and a ``(1, numel % NORM_ROW)`` view of its tail (each only if not empty)."""
+    out = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        whole = flat.numel() // NORM_ROW * NORM_ROW
+        if whole:
+            out.append(flat[:whole].view(-1, NORM_ROW))
+        if whole < flat.numel():
+            out.append(flat[whole:].view(1, -1))
+    return out
 
 
 def squared_norm(grads: list[torch.Tensor], device: torch.device, pieces: bool = False) -> torch.Tensor:
-    """Sum of squares of ``grads`` as an fp32 scalar (one fused kernel for every piece's
-    norm, whatever the gradient dtype, summed in fp64); a zero scalar on ``device`` when
-    there are none. ``pieces``: ``grads`` are already :func:`norm_pieces`."""
+    """Sum of squares of ``grads`` as an fp32 scalar: per 2-D piece the fp32 norm of each
+    row (whatever the gradient dtype; one kernel), their squares summed in fp64; a zero
+    scalar on ``device`` when there are none. ``pieces``: ``grads`` are already
+    :func:`norm_pieces`."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
     views = grads if pieces else norm_pieces(grads)
-    norms = torch.stack(torch._foreach_norm(views, 2, dtype=torch.float32))
-    return norms.double().square().sum().float()
+    rows = [torch.linalg.vector_norm(v, dim=1, dtype=torch.float32) for v in views]  # (rows,) each
+    return torch.cat(rows).double().square().sum().float()
 
 
 @torch.no_grad()

@@ -100,3 +100,35 @@ def test_moe_decoder_at_ep2_equals_one_process(pools):
         assert len(grads) == 2 * 2 * 3  # 2 sparse layers x 2 experts x 3 matrices
         for name, grad in grads.items():
             assert (grad - ref.get_parameter(name).grad).abs().max() < 1e-5, name
+
+
+def _bias_update_rank(cfg: dict, state: dict, x_all: torch.Tensor):
+    import torch.distributed as dist
+
+    from parallel3d.models.moe.parallelize import update_expert_biases_
+
+    block = MoEBlock(MoEConfig(**cfg), DIM)
+    block.load_state_dict(state)
+    for micro in x_all[dist.get_rank()]:  # two micro-batches of this rank's tokens
+        block(micro[None])
+    imbalance = update_expert_biases_(block, dist.group.WORLD)
+    return block.gate.expert_bias, imbalance, block.step_counts
+
+
+def test_expert_bias_update_from_global_counts(pools):
+    """2 ranks, 2 micro-batches each: both ranks move their bias as one process would
+    from all 4 micro-batches' counts, and the counts start again from nothing."""
+    from parallel3d.models.moe.parallelize import update_expert_biases_
+
+    cfg = dict(n_experts=8, top_k=2, ffn_dim=8, score_func="sigmoid", expert_bias=True, bias_update_rate=0.01)
+    torch.manual_seed(9)
+    ref = MoEBlock(MoEConfig(**cfg), DIM)
+    x_all = torch.randn(2, 2, 6, DIM)
+    for micro in x_all.flatten(0, 1):
+        ref(micro[None])
+    want = update_expert_biases_(ref, None)
+    assert set(want) == {""} and want[""] > 1.0 and ref.step_counts is None
+    for bias, imbalance, counts in pools(2).run(_bias_update_rank, cfg, ref.state_dict() | {
+            "gate.expert_bias": torch.zeros(8)}, x_all):
+        assert torch.equal(bias, ref.gate.expert_bias) and imbalance == want and counts is None
+    assert ref.gate.expert_bias.abs().sum() > 0

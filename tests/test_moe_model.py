@@ -174,3 +174,18 @@ def test_dense_layers_and_the_decoder_choice():
         replace(cfg, moe=replace(moe, dense_layers=(5,))).validate()
     with pytest.raises(ValueError, match="moe.topk_group 3 must be between 1 and moe.n_group 2"):
         MoEConfig(n_experts=4, n_group=2, topk_group=3).validate()
+
+
+def test_meta_build_materializes_and_zeroes_the_expert_bias():
+    from parallel3d.models.llama.sharded_init import init_llama_
+    from parallel3d.tensor_parallel.init import materialize_
+
+    moe = MoEConfig(n_experts=4, top_k=2, ffn_dim=8, score_func="sigmoid", expert_bias=True)
+    cfg = LlamaConfig(vocab_size=61, dim=DIM, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=40, moe=moe)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    materialize_(model, "cpu")
+    init_llama_(model, seed=3)
+    biases = [b for n, b in model.named_buffers() if n.endswith("expert_bias")]
+    assert len(biases) == 2 and all(torch.equal(b, torch.zeros(4)) for b in biases)
+    assert torch.isfinite(model(torch.randint(0, 61, (1, 5)))).all()

@@ -58,6 +58,9 @@ def init_llama_(model: Llama, seed: int) -> Llama:
     cfg = model.cfg if isinstance(model, Llama) else model.pipeline_chunks[0].cfg
     for name, p in model.named_parameters():
         init_parameter_(p, name, cfg, seed)
+    for name, b in model.named_buffers():
+        if name.endswith(".expert_bias"):  # MoE selection biases start at 0 (materialize_ leaves them empty)
+            b.zero_()
     return model
 
 

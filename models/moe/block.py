@@ -15,7 +15,10 @@ Each forward leaves :class:`RouterStats` in ``last_stats`` (the layer's assignme
 expert, the probability mass per expert with its gradient, tokens, dropped assignments):
 the decoder's return value stays the hidden states, so pipeline stages and activation
 recomputation see an ordinary module. :func:`load_balancing_loss` turns the stats of the
-model's sparse layers into the auxiliary loss.
+model's sparse layers into the auxiliary loss. ``step_counts`` sums the assignments per
+expert over every forward since the caller last set it to None (the micro-batches of a
+step, for the aux-loss-free bias update; a recomputed forward counts twice, which scales
+a layer's counts uniformly and leaves ``sign(mean - n_i)`` and max / mean unchanged).
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class MoEBlock(nn.Module):
         self.shared_expert = SwiGLU(dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_gate else None
         self.last_stats: RouterStats | None = None
+        self.step_counts: torch.Tensor | None = None  # (E,) int64, not a buffer: no state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, dim = x.shape
@@ -80,6 +84,7 @@ class MoEBlock(nn.Module):
             out = out + shared
         dropped = torch.tensor(order.numel() - kept.numel(), device=counts.device)
         self.last_stats = RouterStats(counts, routing.probs.sum(0), T, dropped)
+        self.step_counts = counts if self.step_counts is None else self.step_counts + counts
         return out.view(B, S, dim)
 
 

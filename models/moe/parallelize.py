@@ -7,6 +7,12 @@ expert per tensor whatever the degree. The router, the shared expert and the res
 layer stay replicated: their gradients are those of this rank's tokens, reduced over the
 data-parallel ranks as any dense weight; an expert's gradient already sums the rows of
 every rank of its expert group (reduced over the ranks holding the same expert, dp / ep).
+
+:func:`update_expert_biases_` is DeepSeek-V3's aux-loss-free step: each expert's selection
+bias moves by ``rate * sign(mean(n) - n_i)``, ``n`` the assignments of the whole step,
+summed over the micro-batches this rank ran (each block's ``step_counts``) and over the
+ranks that routed different tokens (dp x cp). Every rank computes the same update from
+the same all-reduced counts, so the replicated biases stay equal without a broadcast.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel3d.distributed import all_reduce
 from parallel3d.expert_parallel import dispatch_experts_combine
 
 from .block import MoEBlock
 from .experts import Experts
+from .router import update_expert_bias_
 
 
 class ExpertParallelExperts(Experts):
@@ -52,3 +60,21 @@ def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
         held = {e: block.experts[str(e)] for e in local_experts(block.cfg.n_experts, ep, ep_rank)}
         block.experts = ExpertParallelExperts(held, ep_group)
     return model
+
+
+@torch.no_grad()
+def update_expert_biases_(model: nn.Module, group) -> dict[str, float]:
+    """For each :class:`MoEBlock` of ``model`` that ran since the last call: all-reduce its
+    step counts over ``group`` (None: this rank's alone), move its ``expert_bias`` (if it
+    has one) by ``bias_update_rate``, reset the counts. Returns each block's max / mean
+    assignments per expert over the step (1: balanced), by module name."""
+    imbalance = {}
+    for name, block in model.named_modules():
+        if not isinstance(block, MoEBlock) or block.step_counts is None:
+            continue
+        counts = all_reduce(block.step_counts.clone(), group)
+        block.step_counts = None
+        if block.gate.expert_bias is not None:
+            update_expert_bias_(block.gate.expert_bias, counts, block.cfg.bias_update_rate)
+        imbalance[name] = (counts.max() / counts.float().mean()).item()
+    return imbalance
