@@ -92,3 +92,31 @@ def test_packed_chat_documents_at_cp2_train_as_one_process(pools, chat_data, tmp
     for comm in ("allgather", "ring"):
         for got in pools(2).run(_train, _chat_job(chat_data, str(tmp_path / comm), cp=2, cp_comm=comm)):
             assert relative_diff(got["losses"], ref["losses"]) < 1e-5, (comm, got["losses"], ref["losses"])
+
+
+def _losses_until(job: dict, stop_at: int | None = None) -> list[float]:
+    cfg = config_from_dict(job)
+    return [r["loss"] for r in Trainer(cfg, Topology.of(cfg.parallel)).fit(stop_at=stop_at)]
+
+
+def test_a_cp_checkpoint_resumes_exactly_and_reshards_across_cp(pools, corpus_dir, tmp_path):
+    """cp is replication of the weights: a checkpoint of dp 2 x cp 2 with ZeRO 1 (moments
+    sharded over the 4 replicas) resumes there bit for bit and continues at cp 1 (dp 4)
+    and at cp 4 with the straight run's losses (fp32 1e-5, the layouts' parity bar)."""
+    def job(name, **par):
+        j = _job(corpus_dir, str(tmp_path / name), zero=1, bucket_mb=0.05, **par)
+        j["eval"]["interval"] = 0
+        j["checkpoint"] = {"interval": 2, "keep": 0}
+        return j
+
+    four = pools(4)
+    straight = four.run(_losses_until, job("straight", dp=2, cp=2))[0]
+    first = four.run(_losses_until, job("resumed", dp=2, cp=2), 4)[0]
+    again = four.run(_losses_until, job("resumed", dp=2, cp=2))[0]
+    assert first + again == straight
+    stopped = str(tmp_path / "resumed" / "checkpoints" / "step_00000004")
+    for par in ({"dp": 4, "cp": 1}, {"dp": 1, "cp": 4}):
+        other = job("at-" + "-".join(map(str, par.values())), **par)
+        other["checkpoint"]["resume"] = stopped
+        continued = four.run(_losses_until, other)[0]
+        assert relative_diff(continued, straight[4:]) < 1e-5, (par, continued, straight[4:])
