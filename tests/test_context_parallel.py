@@ -16,17 +16,20 @@ Tolerances, as error max|a - b| over max|ref| of the tensor compared:
 - fp32: 1e-5. The sharded computation sums the same products in another order (blocks
   merged by their log-sum-exp, gradients summed over ranks); measured 1e-7 .. 6e-7.
 - bf16 (inputs rounded to bf16; the reference is fp32 SDPA on those rounded inputs):
-  ``4 u`` with u = 2^-8 bf16's unit roundoff. The ring rounds as a flash kernel does:
-  products accumulate in fp32, and along the longest path (dq: P or dS before a product,
-  the final cast) a value is rounded to bf16 twice, each within u of magnitudes of the
-  order of the result's; the all-gather mode's bf16 SDPA adds its own roundings. 4 u
-  leaves 2x over the worst measured: ring 4.1e-3 .. 5.6e-3 (1.4 u), all-gather
+  ``4 u`` with u = 2^-8 bf16's unit roundoff. The ring rounds as a flash kernel does
+  (both its CPU kernel and its explicit math): products accumulate in fp32, and along the
+  longest path (dq: P or dS before a product, a block's result, the final cast) a value
+  is rounded to bf16 two or three times, each within u of magnitudes of the order of the
+  result's; the all-gather mode is torch's bf16 SDPA. 4 u leaves 2x over the worst
+  measured: ring 4.7e-3 .. 6.5e-3 (kernel), 4.1e-3 .. 5.6e-3 (math), all-gather
   3.7e-3 .. 7.3e-3 (1.9 u); torch's own bf16 SDPA on the whole sequence is 5.5e-3
   (1.4 u) off the same reference. An error of the method (a block of the wrong mask,
   a missing gradient share) is O(1).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -37,6 +40,7 @@ from parallel3d.context_parallel import (choose_comm, context_parallel_attention
                                          document_keys, kv_bytes_per_layer, score_elements,
                                          shard_documents, shard_positions, shard_sequence,
                                          unshard_sequence)
+from parallel3d.context_parallel import blocks
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
 from parallel3d.models.llama import Llama, LlamaConfig
 from parallel3d.models.llama.documents import document_mask
@@ -95,9 +99,25 @@ def _errors(cp: int, comm: str, dtype: torch.dtype, docs: bool, heads=(4, 2)) ->
     return [float((a.detach().float() - mine(b)).abs().max() / mine(b).abs().max()) for a, b in pairs]
 
 
+@contextlib.contextmanager
+def _block_path(path: str):
+    """The ring's blocks through the CPU flash kernel ("kernel", the CPU default) or the
+    explicit math ("ref", what other devices run)."""
+    default = blocks.uses_kernel
+    blocks.uses_kernel = lambda q: path == "kernel"
+    try:
+        yield
+    finally:
+        blocks.uses_kernel = default
+
+
 def _all_cases(cp: int, comm: str) -> dict:
-    return {(dtype, docs): _errors(cp, comm, dtype, docs)
-            for dtype in (torch.float32, torch.bfloat16) for docs in (False, True)}
+    out = {}
+    for path in ("kernel", "ref") if comm == "ring" else ("kernel",):
+        with _block_path(path):
+            out.update({(path, dtype, docs): _errors(cp, comm, dtype, docs)
+                        for dtype in (torch.float32, torch.bfloat16) for docs in (False, True)})
+    return out
 
 
 @pytest.mark.parametrize("comm", ["allgather", "ring"])
@@ -106,10 +126,10 @@ def test_attention_equals_full_sequence_sdpa(pools, cp, comm):
     """Output and dq, dk, dv of every rank, fp32 and bf16, with and without documents."""
     results = pools(4).run(_all_cases, cp, comm)
     for rank, cases in enumerate(results):
-        for (dtype, docs), errs in cases.items():
+        for (path, dtype, docs), errs in cases.items():
             tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-            assert max(errs) < tol, (f"rank {rank} {dtype} docs={docs}: out, dq, dk, dv off by "
-                                     f"{errs} (tolerance {tol})")
+            assert max(errs) < tol, (f"rank {rank} {path} {dtype} docs={docs}: out, dq, dk, dv off "
+                                     f"by {errs} (tolerance {tol})")
 
 
 def _mha(cp: int, comm: str) -> list[float]:
@@ -120,6 +140,30 @@ def test_multi_head_attention_without_grouping(pools):
     for comm in ("allgather", "ring"):
         for errs in pools(4).run(_mha, 4, comm):
             assert max(errs) < FP32_TOL, (comm, errs)
+
+
+@pytest.mark.parametrize("kind", [FULL, CAUSAL])
+def test_a_block_by_the_cpu_kernel_equals_the_explicit_math(kind):
+    """One block, 37 queries x 37 keys (odd), 6 heads on 2 kv-heads, with documents
+    that leave some rows without a visible key (lse -inf, output 0, as the merge needs),
+    forward and backward from a row's lse / output. fp32: sums in another order."""
+    torch.manual_seed(1)
+    q, d_out = torch.randn(2, 6, 37, 16), torch.randn(2, 6, 37, 16)
+    k, v = torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
+    q_docs = torch.tensor([[0] * 10 + [1] * 27, [2] * 37])  # row 1: no key of its document
+    k_docs = torch.tensor([[0] * 5 + [1] * 32, [1] * 37])
+    for same_doc in (None, blocks.block_mask(q_docs, k_docs)):
+        out, lse = blocks.block_forward(q, k, v, kind, same_doc, 0.25)
+        out_ref, lse_ref = blocks.block_forward_ref(q, k, v, kind, same_doc, 0.25)
+        torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+        row_lse = torch.where(lse.isinf(), torch.ones_like(lse), lse + 0.5)  # as if merged with more
+        delta = (d_out * out).sum(-1)
+        grads = blocks.block_backward(q, k, v, out, d_out, row_lse, delta, kind, same_doc, 0.25)
+        grads_ref = blocks.block_backward_ref(q, k, v, d_out, row_lse, delta, kind, same_doc, 0.25)
+        for g, g_ref in zip(grads, grads_ref):
+            torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    assert lse_ref[1].isinf().all() and not lse_ref[0].isinf().any()
 
 
 def test_cp_1_is_plain_attention():

@@ -2,10 +2,11 @@
 its log-sum-exp, the merge of partial results, the block's backward, and which blocks a
 rank computes.
 
-Shapes: queries grouped by their kv-head, ``q`` (B, Hkv, G, cq, D) with ``G = H / Hkv``
-(head ``h`` uses kv-head ``h // G``, as SDPA's ``enable_gqa``); ``k``, ``v``
-(B, Hkv, ck, D); ``mask`` None (all visible) or bool broadcastable to (B, 1, 1, cq, ck),
-True where a query may attend.
+Shapes: ``q`` (B, H, cq, D); ``k``, ``v`` (B, Hkv, ck, D) with ``G = H / Hkv`` query
+heads per kv-head (head ``h`` uses kv-head ``h // G``, as SDPA's ``enable_gqa``); a
+block is ``kind`` FULL (every key visible) or CAUSAL (a chunk against itself: ``tril``),
+and with packed documents also ``same_doc`` (B, 1, cq, ck) bool, True where query and
+key are in one document.
 
 Forward of a block, with ``s = scale``::
 
@@ -21,11 +22,12 @@ Backward of a block, given the *final* ``O``, ``lse`` and ``dO`` of the whole ro
     P = exp(S - lse)   dV = P^T dO   dP = dO V^T   dS = P (dP - delta)
     dQ = s dS K        dK = s dS^T Q    (dK, dV summed over the G heads of a kv-head)
 
-Precision as a flash kernel's: every product takes operands in the input dtype (``P``
-and ``dS`` rounded to it, as flash rounds them before its second GEMMs) and accumulates
-and returns fp32 (``S`` and ``dP`` are never rounded: they feed ``exp`` and the
-cancelling ``dP - delta``); softmax, merge and accumulators are fp32. On this explicit
-path the fp32 products are ``_mm`` of upcast operands, a copy of the block's operands.
+On CPU each block runs torch's flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
+and its backward: it returns the fp32 log-sum-exp and takes the whole row's output and
+log-sum-exp in its backward; grouped-query heads natively; 20x faster than the explicit
+math at 1024-token blocks); on other devices the explicit ``*_ref`` math, rounded as a
+flash kernel (every product takes input-dtype operands and accumulates in fp32; ``S`` and
+``dP`` are never rounded; ``P`` and ``dS`` are, before their second products).
 """
 
 from __future__ import annotations
@@ -59,37 +61,58 @@ def ring_plan(cp: int, cp_rank: int) -> list[list[tuple[int, int, str]]]:
     return plan
 
 
-def block_mask(kind: str, n: int, q_docs: torch.Tensor | None, k_docs: torch.Tensor | None,
-               device) -> torch.Tensor | None:
-    """The block's mask: causal blocks are one chunk against itself (``tril``); with
-    document ids (B, n) each, also same-document. (B or 1, 1, 1, n, n) bool, or None."""
-    mask = None
-    if kind == CAUSAL:
-        mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-    if q_docs is not None:
-        same = q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2)  # (B, n, n)
-        mask = same if mask is None else same & mask
-    return None if mask is None else mask.view(-1, 1, 1, n, n)
+def block_mask(q_docs: torch.Tensor | None, k_docs: torch.Tensor | None) -> torch.Tensor | None:
+    """``same_doc`` (B, 1, cq, ck) from the document ids (B, cq) and (B, ck), or None."""
+    if q_docs is None:
+        return None
+    return (q_docs.unsqueeze(-1) == k_docs.unsqueeze(-2)).unsqueeze(1)
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of input-dtype operands, accumulated and returned in fp32."""
-    return torch.matmul(a.float(), b.float())
+def _visible(kind: str, same_doc, cq: int, ck: int, device) -> torch.Tensor | None:
+    """The whole bool mask of a block (B or 1, 1, cq, ck), True where a key is visible."""
+    mask = torch.ones(1, 1, cq, ck, dtype=torch.bool, device=device).tril() if kind == CAUSAL else None
+    if same_doc is not None:
+        mask = same_doc if mask is None else same_doc & mask
+    return mask
 
 
-def _scores(q, k, mask, scale) -> torch.Tensor:
-    s = _mm(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, Hkv, G, cq, ck)
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+def _kernel_args(q, kind, same_doc) -> dict:
+    """The CPU flash kernel's mask arguments: ``is_causal`` alone without documents, else
+    an additive mask in q's dtype (the kernel takes no bool mask)."""
+    if same_doc is None:
+        return {"is_causal": kind == CAUSAL}
+    mask = _visible(kind, same_doc, q.shape[2], same_doc.shape[-1], q.device)
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    return {"is_causal": False, "attn_mask": bias}
 
 
-def block_forward(q, k, v, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O (B, Hkv, G, cq, D) fp32, lse (B, Hkv, G, cq) fp32); a row with no visible key
-    gets O = 0 and lse = -inf."""
-    s = _scores(q, k, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
-    out = _mm(p.to(v.dtype), v.unsqueeze(2))
-    return out, lse
+def uses_kernel(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu"
+
+
+def block_forward(q, k, v, kind: str, same_doc, scale: float):
+    """(O (B, H, cq, D) fp32, lse (B, H, cq) fp32); a row with no visible key gets O = 0
+    and lse = -inf."""
+    if not uses_kernel(q):
+        return block_forward_ref(q, k, v, kind, same_doc, scale)
+    args = _kernel_args(q, kind, same_doc)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, args["is_causal"], attn_mask=args.get("attn_mask"), scale=scale)
+    if same_doc is not None:  # the kernel gives a row without keys lse 0: make it no mass
+        empty = ~_visible(kind, same_doc, q.shape[2], k.shape[2], q.device).any(-1)  # (B, 1, cq)
+        lse = lse.masked_fill(empty, float("-inf"))
+    return out.float(), lse
+
+
+def block_backward(q, k, v, out, d_out, lse, delta, kind: str, same_doc, scale: float):
+    """(dq (B, H, cq, D), dk, dv (B, Hkv, ck, D)) fp32, the block's share of the
+    gradients, from the whole row's ``out`` (input dtype), ``lse`` and ``delta`` (fp32)."""
+    if not uses_kernel(q):
+        return block_backward_ref(q, k, v, d_out, lse, delta, kind, same_doc, scale)
+    args = _kernel_args(q, kind, same_doc)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        d_out, q, k, v, out, lse, 0.0, args["is_causal"], attn_mask=args.get("attn_mask"), scale=scale)
+    return tuple(g.float() for g in grads)
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
@@ -101,15 +124,41 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: tor
     lse.copy_(new)
 
 
-def block_backward(q, k, v, d_out, lse, delta, mask, scale):
-    """(dq (B, Hkv, G, cq, D), dk, dv (B, Hkv, ck, D)), fp32, the block's share of the
-    gradients; ``d_out`` (B, Hkv, G, cq, D) in the input dtype, ``lse`` and ``delta``
-    (B, Hkv, G, cq) fp32 of the whole row."""
-    dt = q.dtype
-    p = torch.exp(_scores(q, k, mask, scale) - lse.unsqueeze(-1))  # masked: exp(-inf) = 0
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p.to(dt).float(), d_out.float())
-    dp = _mm(d_out, v.unsqueeze(2).transpose(-1, -2))
-    ds = (p * (dp - delta.unsqueeze(-1))).to(dt).float()
+# -- the explicit math: the reference, and the path off CPU -------------------------------
+
+def _grouped(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """(B, H, c, D) -> (B, Hkv, G, c, D), or (B, H, c) -> (B, Hkv, G, c)."""
+    return x.reshape(x.shape[0], hkv, x.shape[1] // hkv, *x.shape[2:])
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of input-dtype operands, accumulated and returned in fp32."""
+    return torch.matmul(a.float(), b.float())
+
+
+def _scores(q5, k, kind, same_doc, scale) -> torch.Tensor:
+    s = _mm(q5, k.unsqueeze(2).transpose(-1, -2)) * scale  # (B, Hkv, G, cq, ck)
+    mask = _visible(kind, same_doc, q5.shape[3], k.shape[2], q5.device)
+    return s if mask is None else s.masked_fill(~mask.unsqueeze(2), float("-inf"))
+
+
+def block_forward_ref(q, k, v, kind, same_doc, scale):
+    """:func:`block_forward` by explicit math."""
+    s = _scores(_grouped(q, k.shape[1]), k, kind, same_doc, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
+    out = _mm(p.to(v.dtype), v.unsqueeze(2))  # (B, Hkv, G, cq, D)
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def block_backward_ref(q, k, v, d_out, lse, delta, kind, same_doc, scale):
+    """:func:`block_backward` by explicit math."""
+    hkv, dt = k.shape[1], q.dtype
+    q5, do5 = _grouped(q, hkv), _grouped(d_out, hkv)
+    p = torch.exp(_scores(q5, k, kind, same_doc, scale) - _grouped(lse, hkv).unsqueeze(-1))
+    dv = torch.einsum("bhgqk,bhgqd->bhkd", p.to(dt).float(), do5.float())
+    dp = _mm(do5, v.unsqueeze(2).transpose(-1, -2))
+    ds = (p * (dp - _grouped(delta, hkv).unsqueeze(-1))).to(dt).float()
     dq = _mm(ds, k.unsqueeze(2)) * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.float()) * scale
-    return dq, dk, dv
+    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q5.float()) * scale
+    return dq.flatten(1, 2), dk, dv

@@ -34,47 +34,46 @@ def _docs_by_rank(doc_ids, group):
     return [_halves(d, -1) for d in gather_ids(doc_ids, group).unbind(0)]
 
 
+def _same_doc(docs, r: int, qi: int, src: int, ki: int):
+    """The block's same-document mask (B, 1, c, c): local half ``qi`` against half ``ki``
+    of cp rank ``src``'s keys; None without documents."""
+    return None if docs is None else block_mask(docs[r][qi], docs[src][ki])
+
+
 class _RingAttention(torch.autograd.Function):
     """q (B, H, S_l, D), k / v (B, Hkv, S_l, D), doc_ids (B, S_l) or None -> (B, H, S_l, D)."""
 
     @staticmethod
     def forward(ctx, q, k, v, doc_ids, group, scale):
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        B, H, S_l, D = q.shape
-        Hkv = k.shape[1]
-        q5 = q.reshape(B, Hkv, H // Hkv, S_l, D)  # (B, Hkv, G, S_l, D)
-        qh = _halves(q5, 3)
+        qh = _halves(q, 2)  # head and tail chunk, (B, H, c, D) each
         docs = _docs_by_rank(doc_ids, group)
-        plan = ring_plan(cp, r)
         out = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
         lse = [torch.full(h.shape[:-1], float("-inf"), device=q.device) for h in qh]
         kv = torch.stack([k, v])  # (2, B, Hkv, S_l, D): one message a step
-        for t, blocks in enumerate(plan):
+        for t, blocks in enumerate(ring_plan(cp, r)):
             pending = ring_shift(kv, group, KV_TAG) if t < cp - 1 else None
             src = (r - t) % cp
             kh, vh = _halves(kv[0], 2), _halves(kv[1], 2)
             for qi, ki, kind in blocks:
-                mask = block_mask(kind, S_l // 2, docs and docs[r][qi], docs and docs[src][ki], q.device)
-                o_b, lse_b = block_forward(qh[qi], kh[ki], vh[ki], mask, scale)
+                same_doc = _same_doc(docs, r, qi, src, ki)
+                o_b, lse_b = block_forward(qh[qi], kh[ki], vh[ki], kind, same_doc, scale)
                 merge_(out[qi], lse[qi], o_b, lse_b)
             if pending is not None:
                 kv = pending.wait()
-        o = torch.cat(out, dim=3).to(q.dtype)  # (B, Hkv, G, S_l, D)
-        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=3), doc_ids)
+        o = torch.cat(out, dim=2).to(q.dtype)  # (B, H, S_l, D)
+        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2), doc_ids)
         ctx.group, ctx.scale, ctx.has_docs = group, scale, doc_ids is not None
-        return o.view(B, H, S_l, D)
+        return o
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, o, lse, doc_ids = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        B, H, S_l, D = q.shape
-        Hkv = k.shape[1]
-        q5 = q.reshape(B, Hkv, H // Hkv, S_l, D)
-        do5 = d_out.reshape(q5.shape).to(q.dtype)
-        delta = (do5.float() * o.float()).sum(-1)  # (B, Hkv, G, S_l)
-        qh, doh, lseh, deltah = _halves(q5, 3), _halves(do5, 3), _halves(lse, 3), _halves(delta, 3)
+        d_out = d_out.to(q.dtype)
+        delta = (d_out.float() * o.float()).sum(-1)  # (B, H, S_l)
+        qh, oh, doh, lseh, deltah = (_halves(x, 2) for x in (q, o, d_out, lse, delta))
         docs = _docs_by_rank(doc_ids if ctx.has_docs else None, group)
         dq = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
         kv = torch.stack([k, v])
@@ -86,9 +85,9 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, S_l, D)
             dkh, dvh = _halves(dkv[0], 2), _halves(dkv[1], 2)
             for qi, ki, kind in blocks:
-                mask = block_mask(kind, S_l // 2, docs and docs[r][qi], docs and docs[src][ki], q.device)
-                dq_b, dk_b, dv_b = block_backward(qh[qi], kh[ki], vh[ki], doh[qi], lseh[qi],
-                                                  deltah[qi], mask, scale)
+                same_doc = _same_doc(docs, r, qi, src, ki)
+                dq_b, dk_b, dv_b = block_backward(qh[qi], kh[ki], vh[ki], oh[qi], doh[qi], lseh[qi],
+                                                  deltah[qi], kind, same_doc, scale)
                 dq[qi].add_(dq_b)
                 dkh[ki].add_(dk_b)
                 dvh[ki].add_(dv_b)
@@ -98,8 +97,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 kv = pending.wait()
         dkv = incoming.wait()
-        dq_full = torch.cat(dq, dim=3).to(q.dtype).view(B, H, S_l, D)
-        return dq_full, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 def ring_attention(q, k, v, group, doc_ids=None, scale=None):
