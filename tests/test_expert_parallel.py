@@ -132,3 +132,61 @@ def test_expert_bias_update_from_global_counts(pools):
             "gate.expert_bias": torch.zeros(8)}, x_all):
         assert torch.equal(bias, ref.gate.expert_bias) and imbalance == want and counts is None
     assert ref.gate.expert_bias.abs().sum() > 0
+
+
+def _tp_ep_rank(cfg, state: dict, tokens: torch.Tensor, targets: torch.Tensor, sp: bool):
+    """tp 2 x dp 2 with ep 2 (the experts split over the two dp ranks of each tp rank):
+    this dp rank's sequences; gradients as the step would reduce them."""
+    from parallel3d.config import ParallelConfig
+    from parallel3d.distributed import all_reduce
+    from parallel3d.models.llama import Llama
+    from parallel3d.models.llama.parallelize import parallelize_llama
+    from parallel3d.models.moe.parallelize import apply_expert_parallel
+    from parallel3d.tensor_parallel import sync_tensor_parallel_grads
+    from parallel3d.topology import Topology
+
+    topo = Topology(2, 1, 2, ep=2)
+    model = Llama(cfg)
+    model.load_state_dict(state)
+    model, loss_fn = parallelize_llama(model, topo, ParallelConfig(tp=2, dp=2, sequence_parallel=sp))
+    apply_expert_parallel(model, topo.ep_group)
+    loss = loss_fn(model(tokens[topo.dp_rank]), targets[topo.dp_rank])
+    loss.backward()
+    sync_tensor_parallel_grads(model.parameters(), topo)
+    grads = {}
+    for name, p in model.named_parameters():
+        if ".experts." in name:  # summed over the ep group's tokens already; edp = 1
+            grads[name] = p.grad / topo.dp
+        else:
+            grads[name] = all_reduce(p.grad.clone(), topo.dp_group) / topo.dp
+        if getattr(p, "p3d_tp_dim", None) is not None:
+            grads[name] = (grads[name], p.p3d_tp_dim, p.p3d_tp_range)
+    return float(all_reduce(loss.detach().clone(), topo.dp_group)) / topo.dp, grads
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallel_with_expert_parallel_equals_one_process(pools, sp):
+    """Attention and dense MLPs split over tp 2, MoE blocks whole per tp rank and their
+    experts over ep 2: the loss and every gradient equal one process's (fp32 1e-5)."""
+    from parallel3d.models.llama import Llama, LlamaConfig
+    from parallel3d.models.llama.parallelize import cross_entropy_loss
+
+    moe = MoEConfig(n_experts=4, top_k=2, ffn_dim=12, shared_ffn_dim=8, shared_gate=True, dense_layers=(0,))
+    cfg = LlamaConfig(vocab_size=53, dim=DIM, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=24, moe=moe)
+    torch.manual_seed(11)
+    ref = Llama(cfg)
+    tokens = torch.randint(0, 53, (2, 2, 8))  # (dp, B, S)
+    targets = torch.randint(0, 53, (2, 2, 8))
+    loss = sum(cross_entropy_loss(ref(tokens[d]), targets[d]) for d in range(2)) / 2
+    loss.backward()
+    for got_loss, grads in pools(4).run(_tp_ep_rank, cfg, ref.state_dict(), tokens, targets, sp):
+        assert abs(got_loss - loss.item()) < 1e-5
+        assert any(".experts." in n for n in grads) and len(grads) < len(dict(ref.named_parameters()))
+        for name, grad in grads.items():
+            want = ref.get_parameter(name).grad
+            if isinstance(grad, tuple):  # a tensor-parallel shard: its rows of the whole
+                grad, dim, (start, stop) = grad
+                want = torch.nn.functional.pad(want, [0, 0] * (want.dim() - 1 - dim) + [0, max(0, stop - want.shape[dim])])
+                want = want.narrow(dim, start, stop - start)
+            # fp32, partial sums reduced in another order: a few ulps of the largest entry
+            assert (grad - want).abs().max() < 1e-5 * max(1.0, want.abs().max().item()), name

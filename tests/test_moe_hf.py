@@ -160,6 +160,11 @@ def test_moe_configs_refused_by_name():
         config_to_hf(replace(cfg, moe=replace(cfg.moe, score_func="sigmoid", expert_bias=True)))
     with pytest.raises(ValueError, match="dense layers \\[0\\] have no olmoe spelling"):
         config_to_hf(replace(cfg, qk_norm_all_heads=True))
+    from parallel3d.models.llama.parallelize import tensor_parallel_problems
+
+    problems = tensor_parallel_problems(config_from_hf(olmoe.to_dict()), 2)
+    assert problems == ["q/k norms over all heads (OLMoE) do not split over parallel.tp 2: use parallel.tp 1"]
+    assert tensor_parallel_problems(cfg, 2) == []  # Qwen3-MoE: attention split, experts whole
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -15,6 +15,8 @@ Tensor parallelism over p ranks, per decoder layer (Megatron's split)::
                o: input columns of those heads           (row-parallel, one all-reduce)
     MLP        gate, up: ffn_dim/p rows each             (column-parallel)
                down: ffn_dim/p input columns             (row-parallel, one all-reduce)
+    MoE block  whole on every rank (expert tp 1): it routes the tokens the rank holds
+               (all of them, or its S/p under sequence parallelism, partial gradients)
     norms      replicated (counted once in the grad norm)
 
 The input of attention and of the MLP crosses the wire once for all their
@@ -55,7 +57,7 @@ from parallel3d.pipeline.partition import layer_ranges, rank_chunks, resolve_spl
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD
 from parallel3d.tensor_parallel.split_backward import split_weight_grads
 
-from .model import Llama, LlamaConfig, RMSNorm, _RMSNormFn
+from .model import MLP, Llama, LlamaConfig, RMSNorm, _RMSNormFn
 
 
 IGNORE_INDEX = -100  # a target that is not trained on (torch's F.cross_entropy default)
@@ -103,9 +105,12 @@ def tensor_parallel_problems(cfg: LlamaConfig, tp: int) -> list[str]:
         problems.append(
             f"model.n_kv_heads {cfg.n_kv_heads} and parallel.tp {tp}: one must divide the other "
             "(kv-heads are split when tp divides them, replicated when they divide tp)")
-    if cfg.ffn_dim % tp:
+    if cfg.ffn_dim % tp and not all(cfg.is_sparse(i) for i in range(cfg.n_layers)):
         problems.append(f"model.ffn_dim {cfg.ffn_dim} is not divisible by parallel.tp {tp}: "
                         "choose a tp that divides the MLP width")
+    if cfg.qk_norm and cfg.qk_norm_all_heads:
+        problems.append(f"q/k norms over all heads (OLMoE) do not split over parallel.tp {tp}: "
+                        "use parallel.tp 1")
     return problems
 
 
@@ -152,11 +157,15 @@ def apply_tensor_parallel(model: Llama, topo, sequence_parallel: bool = False,
         attn.k_proj = ColumnParallelLinear.from_dense(attn.k_proj, group, rows=kv, shared=shared, **col)
         attn.v_proj = ColumnParallelLinear.from_dense(attn.v_proj, group, rows=kv, shared=shared, **col)
         attn.o_proj = RowParallelLinear.from_dense(attn.o_proj, group, **row)
-        mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, group, **col)
-        mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, group, **col)
-        mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, group, **row)
         share_input(attn, attn.q_proj, attn.k_proj, attn.v_proj)
-        share_input(mlp, mlp.gate_proj, mlp.up_proj)
+        if isinstance(mlp, MLP):
+            mlp.gate_proj = ColumnParallelLinear.from_dense(mlp.gate_proj, group, **col)
+            mlp.up_proj = ColumnParallelLinear.from_dense(mlp.up_proj, group, **col)
+            mlp.down_proj = RowParallelLinear.from_dense(mlp.down_proj, group, **row)
+            share_input(mlp, mlp.gate_proj, mlp.up_proj)
+        else:  # MoE: every rank computes its tokens through whole experts
+            for p in mlp.parameters():
+                mark_replicated(p, tp_rank, tp, partial_grad=sp)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             mark_replicated(norm.weight, tp_rank, tp, partial_grad=sp)
         if attn.q_norm is not None:
