@@ -44,7 +44,7 @@ from parallel3d.context_parallel import blocks
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
 from parallel3d.models.llama import Llama, LlamaConfig
 from parallel3d.models.llama.documents import document_mask
-from parallel3d.models.llama.parallelize import apply_context_parallel
+from parallel3d.models.llama.parallelize import apply_context_parallel, apply_recompute
 
 FP32_TOL = 1e-5  # see the module docstring
 BF16_TOL = 4 * 2.0 ** -8  # see the module docstring
@@ -250,18 +250,18 @@ def test_auto_comm_gathers_under_grouped_query_attention():
 TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48)
 
 
-def _model_errors(cp: int, comm: str, docs: bool) -> list[float]:
-    """The model at cp (``apply_context_parallel``) on this rank's chunks against the
-    plain model on whole sequences: logits of the rank's tokens, and every parameter's
-    gradient of the token-summed loss, summed over the cp group (each rank's loss covers
-    its tokens; the trainer reduces over dp x cp)."""
+def _model_errors(cp: int, comm: str, docs: bool, recompute: str = "none") -> list[float]:
+    """The model at cp (``apply_context_parallel``, then ``apply_recompute``) on this
+    rank's chunks against the plain model on whole sequences: logits of the rank's
+    tokens, and every parameter's gradient of the token-summed loss, summed over the cp
+    group (each rank's loss covers its tokens; the trainer reduces over dp x cp)."""
     group = _cp_group(cp)
     r = dist.get_rank(group)
     torch.manual_seed(0)
     full = Llama(TINY)
     model = Llama(TINY)
     model.load_state_dict(full.state_dict())
-    apply_context_parallel(model, group, comm)
+    apply_recompute(apply_context_parallel(model, group, comm), recompute)
     B, S = 2, 24
     tokens, targets = torch.randint(0, 64, (2, B, S))
     positions = _packed_positions(S) if docs else torch.arange(S).expand(B, S)
@@ -284,8 +284,12 @@ def _model_errors(cp: int, comm: str, docs: bool) -> list[float]:
 
 
 def _model_cases(cp: int) -> dict:
-    return {(comm, docs): _model_errors(cp, comm, docs) for comm in ("allgather", "ring")
-            for docs in (False, True)}
+    cases = {(comm, docs, "none"): _model_errors(cp, comm, docs) for comm in ("allgather", "ring")
+             for docs in (False, True)}
+    if cp == 2:  # the recomputed forward runs the attention's communication again, in step
+        cases.update({(comm, True, mode): _model_errors(cp, comm, True, mode)
+                      for comm in ("allgather", "ring") for mode in ("full", "selective")})
+    return cases
 
 
 @pytest.mark.parametrize("cp", [2, 4])
@@ -293,8 +297,9 @@ def test_llama_with_context_parallel_attention_equals_the_plain_model(pools, cp)
     """fp32, 1e-5 of each tensor's largest entry (as the attention test: sums in another
     order; the gradients are summed over cp ranks, a few ulps more)."""
     for rank, cases in enumerate(pools(4).run(_model_cases, cp)):
-        for (comm, docs), errs in cases.items():
-            assert max(errs) < FP32_TOL, f"rank {rank} {comm} docs={docs}: logits, grads off by {errs}"
+        for (comm, docs, recompute), errs in cases.items():
+            assert max(errs) < FP32_TOL, (f"rank {rank} {comm} docs={docs} recompute={recompute}: "
+                                          f"logits, grads off by {errs}")
 
 
 # -- composed: tensor x context parallelism through parallelize_llama ---------------------
