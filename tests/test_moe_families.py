@@ -1,5 +1,5 @@
 """MoE families from Hugging Face at tp 2 x pp 2 x dp 2 with ep 2 (8 gloo ranks, sequence
-parallelism, 1F1B): tiny random Qwen3-MoE (dense first layer), Mixtral and Qwen2-MoE
+parallelism, 1F1B; Qwen2-MoE under zb-h1 too): tiny random Qwen3-MoE (dense first layer), Mixtral and Qwen2-MoE
 (shared expert, sparse every second layer) saved with ``save_pretrained`` and read from
 the folder; the masked loss of a packed batch equals transformers' loss computed document
 by document (the dense families' test, tests/test_families.py, with experts split over
@@ -58,7 +58,7 @@ def _hf_folder(name: str, folder):
     return model
 
 
-def _packed_loss_3d_ep(hf_config: dict, state: dict, windows: list) -> float:
+def _packed_loss_3d_ep(hf_config: dict, state: dict, windows: list, schedule: str) -> float:
     """test_families._packed_loss_3d with the experts of every sparse layer split over ep 2."""
     from parallel3d.distributed import all_reduce
     from parallel3d.models.llama import Llama
@@ -68,30 +68,31 @@ def _packed_loss_3d_ep(hf_config: dict, state: dict, windows: list) -> float:
     from parallel3d.topology import Topology
 
     topo = Topology(2, 2, 2, ep=2)
-    par = ParallelConfig(tp=2, pp=2, dp=2, sequence_parallel=True, schedule="1f1b")
+    par = ParallelConfig(tp=2, pp=2, dp=2, sequence_parallel=True, schedule=schedule)
     cfg = config_from_hf(hf_config)
     model = Llama(cfg)
     model.load_state_dict(state, strict=True)
     model, loss_fn = parallelize_llama(model, topo, par)
     apply_expert_parallel(model, topo.ep_group)
     held = {int(n.split(".experts.")[1].split(".")[0]) for n, _ in model.named_parameters() if ".experts." in n}
-    schedule = build_schedule(model, loss_fn, topo, par, device=torch.device("cpu"),
-                              activation_shape=activation_shape(cfg, 1, SEQ, 2, True))
+    runner = build_schedule(model, loss_fn, topo, par, device=torch.device("cpu"),
+                            activation_shape=activation_shape(cfg, 1, SEQ, 2, True))
     supervised = sum(int((t != -100).sum()) for _, t, _ in windows)
     mine = windows[2 * topo.dp_rank: 2 * topo.dp_rank + 2]
     batches = [MicroBatch(x[None], t[None], p[None], supervised / topo.dp) for x, t, p in mine]
-    loss = schedule.run(batches)
+    loss = runner.run(batches)
     return float(all_reduce(loss.clone(), topo.dp_group) / topo.dp), sorted(held)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
-def test_packed_masked_loss_at_2x2x2_ep2_equals_transformers_per_document(pools, family, tmp_path):
+@pytest.mark.parametrize("family,schedule", [("qwen3_moe", "1f1b"), ("mixtral", "1f1b"), ("qwen2_moe", "1f1b"),
+                                             ("qwen2_moe", "zb-h1")])
+def test_packed_masked_loss_at_2x2x2_ep2_equals_transformers_per_document(pools, family, schedule, tmp_path):
     hf = _hf_folder(family, tmp_path)
     hf_config = json.loads((tmp_path / "config.json").read_text())
     state = {name_from_hf(k): v for k, v in safetensors_torch.load_file(tmp_path / "model.safetensors").items()}
     docs, windows = _packed_global_batch(seed=len(family))
     want = _reference_loss(hf, docs)
-    results = pools(8).run(_packed_loss_3d_ep, hf_config, state, windows)
+    results = pools(8).run(_packed_loss_3d_ep, hf_config, state, windows, schedule)
     for rank, (rank_loss, held) in enumerate(results):
         # as tests/test_families.py: fp32 against a float64 sum of transformers' fp32
         # logits, the same ops in another order; 1e-5 relative is the issue's bar
