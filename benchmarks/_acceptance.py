@@ -254,7 +254,8 @@ def _train_rank(job: dict, device: str) -> list[float]:
 
 def layout3d(smoke: bool, work: Path, emit, budget_s: float = 100.0) -> None:
     """tp 2 x pp 2 x dp 2 (sequence parallelism, ZeRO-1) as 8 processes on one device
-    (gloo; on a GPU every rank's tensors on cuda:0 and the Triton GEMMs forced) against
+    (gloo; on a GPU every rank's tensors on cuda:0, the pipeline's sends and receives
+    staged through pinned host buffers by ``StageComm``, and the Triton GEMMs forced) against
     1x1x1 on the same device: fp32 losses step by step, once with 1F1B and once with zb-v
     (two chunks per rank, each backward split into B and a deferred W: on a GPU the Triton
     linear's dgrad in B and its wgrad in W)."""

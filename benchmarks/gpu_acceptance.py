@@ -14,8 +14,9 @@ crashes or runs out of time is reported in the table and the next one runs):
     train     1B preset in bf16: Trainer vs a plain PyTorch loop (tokens/s, MFU, peak memory,
               losses side by side)
     layout3d  tp 2 x pp 2 x dp 2 as 8 processes on the one GPU (gloo with CUDA tensors, all on
-              cuda:0, Triton GEMMs forced) against 1x1x1: fp32 losses step by step, with 1F1B
-              and with zb-v (B and W split: the Triton dgrad and the deferred wgrad)
+              cuda:0, pipeline messages staged through pinned host buffers, Triton GEMMs
+              forced) against 1x1x1: fp32 losses step by step, with 1F1B and with zb-v (B and
+              W split: the Triton dgrad and the deferred wgrad)
 
 The figures go to stdout and, as markdown, to ``--out``. ``--smoke`` runs every section's
 code on CPU with tiny shapes (the kernels under TRITON_INTERPRET=1, 8 gloo processes of the
