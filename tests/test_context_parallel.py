@@ -16,14 +16,13 @@ Tolerances, as error max|a - b| over max|ref| of the tensor compared:
 - fp32: 1e-5. The sharded computation sums the same products in another order (blocks
   merged by their log-sum-exp, gradients summed over ranks); measured 1e-7 .. 6e-7.
 - bf16 (inputs rounded to bf16; the reference is fp32 SDPA on those rounded inputs):
-  ``4 u`` with u = 2^-8 bf16's unit roundoff. The ring rounds as a flash kernel does
-  (both its CPU kernel and its explicit math): products accumulate in fp32, and along the
-  longest path (dq: P or dS before a product, a block's result, the final cast) a value
-  is rounded to bf16 two or three times, each within u of magnitudes of the order of the
-  result's; the all-gather mode is torch's bf16 SDPA. 4 u leaves 2x over the worst
-  measured: ring 4.7e-3 .. 6.5e-3 (kernel), 4.1e-3 .. 5.6e-3 (math), all-gather
-  3.7e-3 .. 7.3e-3 (1.9 u); torch's own bf16 SDPA on the whole sequence is 5.5e-3
-  (1.4 u) off the same reference. An error of the method (a block of the wrong mask,
+  ``4 u`` with u = 2^-8 bf16's unit roundoff. Both modes compute by blocks, rounded as a
+  flash kernel does (the CPU kernel and the explicit math alike): products accumulate in
+  fp32, and along the longest path (dq: P or dS before a product, a block's result, the
+  final cast) a value is rounded to bf16 two or three times, each within u of magnitudes
+  of the order of the result's. 4 u leaves 2x over the worst measured: 4.1e-3 .. 7.1e-3
+  (1.8 u); torch's own bf16 SDPA on the whole sequence is 5.5e-3 (1.4 u) off the same
+  reference. An error of the method (a block of the wrong mask,
   a missing gradient share) is O(1).
 """
 
@@ -101,8 +100,8 @@ def _errors(cp: int, comm: str, dtype: torch.dtype, docs: bool, heads=(4, 2)) ->
 
 @contextlib.contextmanager
 def _block_path(path: str):
-    """The ring's blocks through the CPU flash kernel ("kernel", the CPU default) or the
-    explicit math ("ref", what other devices run)."""
+    """The blocks (both modes compute by blocks) through the CPU flash kernel ("kernel",
+    the CPU default) or the explicit math ("ref", what other devices run)."""
     default = blocks.uses_kernel
     blocks.uses_kernel = lambda q: path == "kernel"
     try:
@@ -113,7 +112,7 @@ def _block_path(path: str):
 
 def _all_cases(cp: int, comm: str) -> dict:
     out = {}
-    for path in ("kernel", "ref") if comm == "ring" else ("kernel",):
+    for path in ("kernel", "ref"):
         with _block_path(path):
             out.update({(path, dtype, docs): _errors(cp, comm, dtype, docs)
                         for dtype in (torch.float32, torch.bfloat16) for docs in (False, True)})

@@ -5,6 +5,7 @@ over the whole sequence from each rank's queries.
     comm.py       all-gather <-> reduce-scatter pair, id gather, the ring's p2p step
     blocks.py     one block's attention with its log-sum-exp, merge, backward; ring plan
     ring.py       ring attention (autograd.Function; backward recomputes per block)
+    gathered.py   the all-gather mode's local part: blocks over the gathered K/V
     attention.py  ``context_parallel_attention(q, k, v, group, comm=...)``; all-gather mode;
                   ``ContextParallelAttention``, the model's hook (``Llama.attention_fn``)
     cost.py       bytes per layer for each comm mode; attention work of a rank; "auto"

@@ -11,8 +11,9 @@ the rows of full-sequence attention for the local queries; gradients flow to q, 
 
 - ``"allgather"``: K and V of every rank gathered (one all-gather of the stacked
   (2, B, Hkv, S_l, D); backward: one reduce-scatter of dK/dV), put back in global order,
-  and one SDPA with the (S_l, S) mask of the local positions. With GQA the K/V are small
-  next to Q, and any mask is easy (the Llama 3 paper's choice).
+  and attended block by block (``gathered.py``: the chunks after a query chunk never
+  computed). With GQA the K/V are small next to Q, and any mask is easy (the Llama 3
+  paper's choice).
 - ``"ring"``: ``ring.py``, ``cp - 1`` p2p steps overlapped with the blocks' attention.
 
 A group of None or of one rank is plain causal (or document-masked) SDPA.
@@ -25,8 +26,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .comm import gather_from_cp, gather_ids
+from .gathered import gathered_attention
 from .ring import ring_attention
-from .sharding import document_keys, shard_positions, unshard_sequence
+from .sharding import document_keys, unshard_sequence
 
 COMMS = ("allgather", "ring")
 
@@ -59,17 +61,12 @@ def _local_attention(q, k, v, doc_ids, scale):
 def allgather_attention(q, k, v, group, doc_ids=None, scale=None):
     """``comm="allgather"`` (module docstring)."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
-    S_l = q.shape[2]
-    S = S_l * cp
     kv = gather_from_cp(torch.stack([k, v]), group)  # (cp, 2, B, Hkv, S_l, D)
     kv = unshard_sequence(kv.unbind(0), dim=3)  # (2, B, Hkv, S, D), global order
-    q_pos = shard_positions(S, cp, r, device=q.device)  # (S_l,)
-    mask = torch.arange(S, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)  # (S_l, S)
+    all_docs = None
     if doc_ids is not None:
         all_docs = unshard_sequence(gather_ids(doc_ids, group).unbind(0), dim=1)  # (B, S)
-        mask = mask & (doc_ids.unsqueeze(-1) == all_docs.unsqueeze(-2))  # (B, S_l, S)
-    return F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=mask.unsqueeze(-3), scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    return gathered_attention(q, kv, cp, r, doc_ids, all_docs, scale)
 
 
 def context_parallel_attention(q, k, v, group, *, comm: str = "allgather",
