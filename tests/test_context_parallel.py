@@ -41,6 +41,7 @@ from parallel3d.context_parallel import (choose_comm, context_parallel_attention
                                          unshard_sequence)
 from parallel3d.context_parallel import blocks
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
+from parallel3d.context_parallel.gathered import gathered_plan
 from parallel3d.models.llama import Llama, LlamaConfig
 from parallel3d.models.llama.documents import document_mask
 from parallel3d.models.llama.parallelize import apply_context_parallel, apply_recompute
@@ -203,8 +204,9 @@ def test_document_ids_stay_whole_window_numbers_across_chunks():
 def test_head_tail_balances_attention_work(cp):
     """Unmasked causal score elements per rank (attention FLOPs / 4DH), S = 4096: head-tail
     within 10% across ranks (exactly equal), contiguous chunks ~(2cp-1)x from first to last.
-    The ring computes exactly the unmasked elements: its plan's blocks (full c^2, causal
-    c(c+1)/2, fully masked ones skipped) add up to the same count on every rank."""
+    Both modes compute exactly the unmasked elements: the blocks of the ring's plan and
+    of the all-gather mode's (full c^2, causal c(c+1)/2, fully masked ones skipped) add up
+    to the same count on every rank."""
     S = 4096
     c = S // (2 * cp)
     head_tail = [score_elements(shard_positions(S, cp, r)) for r in range(cp)]
@@ -212,8 +214,9 @@ def test_head_tail_balances_attention_work(cp):
     assert max(head_tail) / min(head_tail) <= 1.10, head_tail
     assert contiguous[-1] / contiguous[0] >= 2.0, contiguous
     size = {FULL: c * c, CAUSAL: c * (c + 1) // 2}
-    computed = [sum(size[kind] for step in ring_plan(cp, r) for _, _, kind in step) for r in range(cp)]
-    assert computed == head_tail
+    ring = [sum(size[kind] for step in ring_plan(cp, r) for _, _, kind in step) for r in range(cp)]
+    gathered = [sum(size[kind] for _, _, kind in gathered_plan(cp, r)) for r in range(cp)]
+    assert ring == gathered == head_tail
     assert sum(head_tail) == S * (S + 1) // 2
 
 

@@ -22,7 +22,7 @@ from .blocks import CAUSAL, FULL, block_backward, block_forward, block_mask, mer
 from .sharding import head_tail_chunks
 
 
-def _plan(cp: int, cp_rank: int) -> list[tuple[int, int, str]]:
+def gathered_plan(cp: int, cp_rank: int) -> list[tuple[int, int, str]]:
     """``(q_half, key_chunk, kind)`` of every block this rank computes."""
     return [(qi, b, CAUSAL if b == a else FULL)
             for qi, a in enumerate(head_tail_chunks(cp, cp_rank)) for b in range(a + 1)]
@@ -40,7 +40,7 @@ class _GatheredAttention(torch.autograd.Function):
         kd = None if k_docs is None else k_docs.tensor_split(2 * cp, dim=-1)
         out = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
         lse = [torch.full(h.shape[:-1], float("-inf"), device=q.device) for h in qh]
-        for qi, b, kind in _plan(cp, cp_rank):
+        for qi, b, kind in gathered_plan(cp, cp_rank):
             same_doc = None if qd is None else block_mask(qd[qi], kd[b])
             merge_(out[qi], lse[qi], *block_forward(qh[qi], kc[b][0], kc[b][1], kind, same_doc, scale))
         o = torch.cat(out, dim=2).to(q.dtype)
@@ -61,7 +61,7 @@ class _GatheredAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         dqh, dkc = dq.tensor_split(2, dim=2), dkv.tensor_split(2 * cp, dim=3)
-        for qi, b, kind in _plan(cp, ctx.cp_rank):
+        for qi, b, kind in gathered_plan(cp, ctx.cp_rank):
             same_doc = None if qd is None else block_mask(qd[qi], kd[b])
             dq_b, dk_b, dv_b = block_backward(qh[qi], kc[b][0], kc[b][1], oh[qi], doh[qi], lseh[qi],
                                               deltah[qi], kind, same_doc, scale)
