@@ -30,8 +30,8 @@ def default_recipe() -> str:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.config import load_config
     from parallel3d.distributed import env_world_size, pick_backend, under_torchrun
-    from parallel3d.train.setup import (check_job, check_paths, check_vocab, job_world_size,
-                                        resolve_model_config)
+    from parallel3d.train.dryrun import check_start
+    from parallel3d.train.setup import check_job, job_world_size, resolve_model_config
 
     started = time.monotonic()
     cfg = load_config(args.recipe or default_recipe(), overrides)
@@ -42,7 +42,8 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         from parallel3d.planner.cli import gpu_from_args
         from parallel3d.train.dryrun import dry_run
 
-        dry_run(cfg, world, gpu=gpu_from_args(args))
+        found = dry_run(cfg, world, gpu=gpu_from_args(args))
+        check_start(cfg, found["model_cfg"])  # what the run checks before its first step
         return 0
     if args.gpu or args.gpu_spec:
         raise UserError("--gpu / --gpu-spec say whether a job fits a GPU: use them with --dry-run")
@@ -52,10 +53,11 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     model = resolve_model_config(cfg.model)
     check_job(cfg, model, world)  # fail before any worker starts
     backend = pick_backend(cfg.launch.backend)
-    check_paths(cfg)
+    # the checks of the workers before their first step, here: the dry run's, in its order
+    facts = check_start(cfg, model, out=lambda line: None)
     speaks = int(os.environ.get("RANK", "0")) == 0  # the launching process, or rank 0 of torchrun's
     if speaks:
-        _print_lines(_banner(cfg, model, world, backend))
+        _print_lines(_banner(cfg, model, world, backend, facts))
 
     from parallel3d.train.worker import run_worker, worker_main
 
@@ -63,17 +65,13 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
         code = run_worker(cfg.to_dict())
     else:
         from parallel3d.launch import launch_local
-        from parallel3d.train.data import prepare_corpus
+        from parallel3d.train.data import check_data, prepare_corpus
 
-        corpus = prepare_corpus(cfg.data)  # once, here, rather than racing in the workers
-        check_vocab(corpus.vocab_size, model)
-        if cfg.model.hf_checkpoint:
-            from parallel3d.data.tokenizer import check_same_tokenizer
-
-            check_same_tokenizer(corpus, cfg.model.hf_checkpoint)
+        if facts is None:  # the stdlib corpus: built once, here, rather than racing in the workers
+            check_data(cfg, model.vocab_size, prepare_corpus(cfg.data))
         code = launch_local(worker_main, (cfg.to_dict(),), cfg.launch.nproc)
     if code == 0 and speaks:
-        _print_lines(_summary(cfg, time.monotonic() - started))
+        _print_lines(_summary(cfg, model, time.monotonic() - started))
     return code
 
 
@@ -81,7 +79,7 @@ def _print_lines(lines: list[str]) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _banner(cfg, model, world: int, backend: str) -> list[str]:
+def _banner(cfg, model, world: int, backend: str, facts=None) -> list[str]:
     from parallel3d.data.stdlib import describe
     from parallel3d.observe.console import banner
     from parallel3d.planner.spec import layer_split
@@ -90,14 +88,25 @@ def _banner(cfg, model, world: int, backend: str) -> list[str]:
     par = cfg.parallel
     split = layer_split(model, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
     data = f"prepared dataset {cfg.data.path}" if cfg.data.path else describe(cfg.data)
+    if facts is not None:
+        data += f"; {data_use(facts, cfg)}"
     return banner(cfg, model, world, split, backend, resolved_config(cfg).train.dtype, data)
 
 
-def _summary(cfg, wall_s: float) -> list[str]:
+def data_use(facts, cfg) -> str:
+    """The training split's size and how many times the run reads it."""
+    from parallel3d.train.dryrun import epochs_phrase
+
+    return (f"{facts.train_tokens:,} training tokens ({facts.train_samples:,} sequences): "
+            f"{epochs_phrase(facts.epochs(cfg))}")
+
+
+def _summary(cfg, model, wall_s: float) -> list[str]:
     from pathlib import Path
 
     from parallel3d.observe.console import outputs, summary
     from parallel3d.observe.report import load_metrics
+    from parallel3d.train.dryrun import check_start
 
     run_dir = Path(cfg.run.dir)
     try:
@@ -107,7 +116,14 @@ def _summary(cfg, wall_s: float) -> list[str]:
     ckpt = cfg.checkpoint
     found = outputs(run_dir, Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints",
                     run_dir / ckpt.export_hf if ckpt.export_hf else None)
-    return summary(records, cfg.train.global_batch * cfg.train.seq_len, wall_s, found, run_dir)
+    lines = summary(records, cfg.train.global_batch * cfg.train.seq_len, wall_s, found, run_dir)
+    try:
+        facts = check_start(cfg, model, out=lambda line: None)
+    except UserError:
+        facts = None
+    if facts is not None:  # after "done: ...": how often the data was read
+        lines.insert(1, f"data: {data_use(facts, cfg)}")
+    return lines
 
 
 def _convert(args: argparse.Namespace) -> int:

@@ -78,7 +78,7 @@ ROWS = [
     ("dtype", ["train", "--train.dtype=fp8"], {}, "train.dtype 'fp8' is not supported"),
     ("recompute", ["train", "--train.recompute=some"], {}, "train.recompute 'some' is not supported"),
     ("negative-clip", ["train", "--train.grad_clip=-1"], {}, "train.grad_clip must be >= 0"),
-    ("seq-too-long", ["train", "--train.seq_len=100000"], {}, "exceeds the model's max_seq_len"),
+    ("seq-too-long", ["train", "--train.seq_len=100000"], {}, "exceeds the model's context of"),
     ("model-preset", ["train", "--model.preset=huge"], {}, "unknown model.preset 'huge'"),
     ("on-nonfinite", ["train", "--reliability.on_nonfinite=ignore"], {}, "reliability.on_nonfinite 'ignore'"),
     ("comm-timeout", ["train", "--reliability.comm_timeout_s=0"], {}, "reliability.comm_timeout_s must be positive"),
@@ -96,7 +96,7 @@ ROWS = [
     ("run-dir-under-file", ["train", "--run.dir={tmp}/f/run"], {"f": b"x"}, "'{tmp}/f' is a file"),
     ("tokenizer-vocab-exceeds-model", ["train", "--model.vocab_size=300", "--data.vocab_size=512",
                                        "--data.max_bytes=1000000", "--data.cache_dir={corpus}"], {},
-     "the tokenizer's vocabulary (512) exceeds model.vocab_size 300"),
+     "the dataset's vocabulary (512) exceeds model.vocab_size 300"),
     # -- recipe files
     ("recipe-missing", ["train", "{tmp}/nope.toml"], {}, "recipe '{tmp}/nope.toml' not found"),
     ("recipe-directory", ["train", "{tmp}/d"], {"d": "dir"}, "is a directory"),

@@ -38,13 +38,22 @@ def _layout(cfg, topo) -> dict:
             "zero": getattr(cfg.parallel, "zero", 0)}
 
 
+def check_checkpoint_options(c) -> None:
+    """What the checkpoint section must hold before the run builds anything (the dry run
+    checks it too): sizes >= 0, and a ``resume`` path that is a folder."""
+    if c.interval < 0 or c.keep < 0:
+        raise UserError(f"checkpoint.interval ({c.interval}) and checkpoint.keep ({c.keep}) "
+                        "must be >= 0 (0: never save / keep all)")
+    if c.resume not in ("never", "auto") and not Path(c.resume).is_dir():
+        raise UserError(f"checkpoint.resume '{c.resume}' is not a folder: give a checkpoint folder, "
+                        "a checkpoints folder with 'latest', 'auto' or 'never'")
+
+
 class Checkpointer:
     def __init__(self, cfg, topo, model_cfg):
         self.job, self.cfg, self.topo, self.model_cfg = cfg, cfg.checkpoint, topo, model_cfg
         c = self.cfg
-        if c.interval < 0 or c.keep < 0:
-            raise UserError(f"checkpoint.interval ({c.interval}) and checkpoint.keep ({c.keep}) "
-                            "must be >= 0 (0: never save / keep all)")
+        check_checkpoint_options(c)
         run_dir = Path(cfg.run.dir)
         self.root = Path(c.dir) if c.dir else run_dir / "checkpoints"
         self.export_dir = (run_dir / c.export_hf) if c.export_hf else None
@@ -80,9 +89,6 @@ class Checkpointer:
             found = find_checkpoint(self.root)
             return CheckpointReader(found, verify=self.cfg.verify) if found is not None else None
         path = Path(how)
-        if not path.is_dir():
-            raise UserError(f"checkpoint.resume '{how}' is not a folder: give a checkpoint folder, "
-                            "a checkpoints folder with 'latest', 'auto' or 'never'")
         from .convert import open_source
         from .hf import HFFolder
 

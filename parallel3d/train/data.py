@@ -20,6 +20,7 @@ shards' sha256 are verified (before training for small data, else in the backgro
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 from typing import Callable
@@ -42,7 +43,8 @@ from parallel3d.errors import UserError
 from parallel3d.topology import Topology
 
 __all__ = ["EOS", "GlobalBatchSampler", "PrefetchLoader", "TokenWindows", "TrainData",
-           "build_train_data", "open_training_dataset", "prepare_corpus"]
+           "DataFacts", "build_train_data", "check_data", "check_dataset", "open_training_dataset",
+           "prepare_corpus"]
 
 
 def prepare_corpus(cfg: DataConfig) -> PreparedDataset:
@@ -124,18 +126,112 @@ def start_verifier(dataset: PreparedDataset, topo: Topology, device: torch.devic
     return verifier
 
 
+def check_dataset(cfg: JobConfig, dataset: PreparedDataset, model_vocab: int) -> str:
+    """What the run checks of an opened dataset before it builds anything (the vocabulary
+    against the model, the tokenizer against an HF model's, the packing against the
+    format); returns the packing. The dry run calls it too."""
+    if dataset.vocab_size > model_vocab:
+        if cfg.model.hf_checkpoint:
+            fix = f"prepare the data again with the model's tokenizer (--tokenizer {cfg.model.hf_checkpoint})"
+        elif cfg.data.path:
+            fix = (f"set --model.vocab_size={dataset.vocab_size}, or prepare the data with a tokenizer "
+                   f"of at most {model_vocab} tokens")
+        else:
+            fix = f"set --model.vocab_size={dataset.vocab_size} or --data.vocab_size={model_vocab}"
+        raise UserError(f"the dataset's vocabulary ({dataset.vocab_size}) exceeds model.vocab_size "
+                        f"{model_vocab}: {fix}")
+    if cfg.model.hf_checkpoint:  # fine-tuning: the ids must mean the model's tokens
+        check_same_tokenizer(dataset, cfg.model.hf_checkpoint)
+    return packing_of(cfg.data, dataset)
+
+
+def validation_windows(cfg: JobConfig, dataset: PreparedDataset, packing: str):
+    """The validation split's windows (not yet cut for a cp rank), None when evaluation is
+    off; raises :func:`validation_too_small` when it holds fewer than eval.batches global
+    batches."""
+    if cfg.eval.interval <= 0:
+        return None
+    train = cfg.train
+    need = cfg.eval.batches * train.global_batch
+    windows, have = None, max(0, (len(dataset.split("val")) - 1) // train.seq_len)
+    if have:
+        windows = make_windows(dataset, "val", train.seq_len, packing, "the validation split")
+        have = windows.num_samples
+    if have < need:
+        raise validation_too_small(cfg, dataset, have, need)
+    return windows
+
+
+def _round_up(x: float) -> float:
+    """``x`` rounded up to two significant digits."""
+    digits = 1 - math.floor(math.log10(x))
+    return math.ceil(x * 10**digits) / 10**digits
+
+
+def validation_too_small(cfg: JobConfig, dataset: PreparedDataset, have: int, need: int) -> UserError:
+    """The error of a validation split too small for one evaluation, with the changes that
+    make it big enough: fewer batches (when one global batch fits), no evaluation, or a
+    larger held-out share computed from the split's own numbers: sequences grow with the
+    documents held out, which are whole and of unequal sizes, so 15% more and one document
+    more than the proportion asks."""
+    train, ev = cfg.train, cfg.eval
+    fixes = []
+    if have >= train.global_batch:
+        fixes.append(f"--eval.batches={have // train.global_batch}")
+    fixes.append("--eval.interval=0 (no held-out loss)")
+    val, total = len(dataset.split("val")), len(dataset.split("train")) + len(dataset.split("val"))
+    held = val / total
+    # the share of documents held out now (prepare-data records it), scaled to the need;
+    # with none held out, the documents' share ~ the tokens' share
+    fraction = dataset.index.get("source", {}).get("val_fraction") or 0
+    wanted = fraction * need / have if have and fraction else (need * train.seq_len + 1) / total
+    wanted *= 1.15
+    docs = sum(v.get("num_docs", 0) for v in dataset.index.get("splits", {}).values())
+    if docs:  # whole documents (floor(n f) of them): one more than the share asks, and more than now
+        held_docs = dataset.index["splits"].get("val", {}).get("num_docs", 0)
+        wanted = max(held_docs + 1, math.ceil(wanted * docs) + 1) / docs
+    share = _round_up(min(0.99, wanted))
+    if share < 0.5:
+        fixes.append(f"prepare the data again with --val-fraction {share}" if cfg.data.path
+                     else f"--data.val_fraction={share}")
+    return UserError(
+        f"the validation split holds {have} sequences of train.seq_len {train.seq_len} ({held:.1%} of the "
+        f"dataset's tokens), fewer than eval.batches {ev.batches} * train.global_batch {train.global_batch} "
+        f"= {need}: {', or '.join(fixes)}")
+
+
+@dataclass(frozen=True)
+class DataFacts:
+    """What the banner and the summary say of the data: tokens and samples of each split."""
+
+    train_tokens: int
+    val_tokens: int
+    train_samples: int
+
+    def epochs(self, cfg: JobConfig) -> float:
+        """Passes over the training split the run makes: train.steps * train.global_batch
+        samples over the split's samples (with packing "concat", global_batch * seq_len *
+        steps / its tokens)."""
+        return cfg.train.steps * cfg.train.global_batch / self.train_samples
+
+
+def check_data(cfg: JobConfig, model_vocab: int, dataset: PreparedDataset | None = None) -> DataFacts:
+    """Every check :func:`build_train_data` makes before the first step, without a loader,
+    a verifier or a process group: the dry run's and the launching process's data check."""
+    dataset = dataset or prepare_corpus(cfg.data)
+    packing = check_dataset(cfg, dataset, model_vocab)
+    windows = make_windows(dataset, "train", cfg.train.seq_len, packing, "the training split")
+    validation_windows(cfg, dataset, packing)
+    return DataFacts(len(dataset.split("train")), len(dataset.split("val")), windows.num_samples)
+
+
 def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
                      model_vocab: int) -> TrainData:
     dataset = open_training_dataset(cfg.data)
-    if dataset.vocab_size > model_vocab:
-        raise UserError(f"the dataset's vocabulary ({dataset.vocab_size}) exceeds model.vocab_size "
-                        f"{model_vocab}: raise model.vocab_size, or lower data.vocab_size (stdlib) "
-                        "or prepare the data with a smaller tokenizer")
-    if cfg.model.hf_checkpoint:  # fine-tuning: the ids must mean the model's tokens
-        check_same_tokenizer(dataset, cfg.model.hf_checkpoint)
+    packing = check_dataset(cfg, dataset, model_vocab)
     train = cfg.train
-    packing = packing_of(cfg.data, dataset)
     windows = _for_rank(make_windows(dataset, "train", train.seq_len, packing, "the training split"), topo)
+    val = validation_windows(cfg, dataset, packing)
     sampler = GlobalBatchSampler(windows.num_samples, train.global_batch, train.micro_batch,
                                  topo.dp, topo.dp_rank, train.seed, dataset.fingerprint)
     verifier = start_verifier(dataset, topo, device)
@@ -143,19 +239,8 @@ def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
                             check=IdRangeCheck(windows, sampler, model_vocab),
                             before_step=verifier.poll)
     val_windows = val_sampler = None
-    if cfg.eval.interval > 0:
-        need = cfg.eval.batches * train.global_batch
-        val_tokens = dataset.split("val")
-        have = max(0, (len(val_tokens) - 1) // train.seq_len)
-        if have:
-            val_windows = _for_rank(make_windows(dataset, "val", train.seq_len, packing, "the validation split"),
-                                    topo)
-            have = val_windows.num_samples
-        if have < need:
-            raise UserError(
-                f"the validation split holds {have} sequences of train.seq_len {train.seq_len}, fewer "
-                f"than eval.batches {cfg.eval.batches} * train.global_batch {train.global_batch} = {need}: "
-                "lower eval.batches, or hold out more (data.val_fraction, prepare-data --val-fraction)")
+    if val is not None:
+        val_windows = _for_rank(val, topo)
         val_sampler = GlobalBatchSampler(val_windows.num_samples, train.global_batch, train.micro_batch,
                                          topo.dp, topo.dp_rank, train.seed, dataset.fingerprint)
     data = TrainData(dataset, windows, sampler, loader, val_windows, val_sampler, device, verifier,

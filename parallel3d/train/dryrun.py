@@ -255,5 +255,36 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
         "activations and buffers from the planner:")
     for line in table:
         out(line)
-    return {"world_size": world_size, "model": model, "split": split, "stages": planned,
-            "reports": reports}
+    return {"world_size": world_size, "model": model, "model_cfg": model_cfg, "split": split,
+            "stages": planned, "reports": reports}
+
+
+def check_start(cfg: JobConfig, model_cfg, out=print):
+    """The checks the run makes between :func:`check_job` and its first step, in the order
+    it makes them, with its messages: the directories it writes, the checkpoint options,
+    then the data (the dataset opens, its vocabulary and tokenizer match the model, the
+    training split holds a sequence, the validation split eval.batches global batches).
+    Returns the data's :class:`~parallel3d.train.data.DataFacts`, or None when the stdlib
+    corpus is not built yet (building it takes a minute; the run does it, once)."""
+    from parallel3d.checkpoint.checkpointer import check_checkpoint_options
+    from parallel3d.data.stdlib import INDEX, cache_path
+    from parallel3d.train.data import check_data
+    from parallel3d.train.setup import check_paths
+
+    check_paths(cfg)
+    check_checkpoint_options(cfg.checkpoint)
+    if not cfg.data.path and not (cache_path(cfg.data) / INDEX).is_file():
+        out(f"data: the stdlib corpus is not built yet ({cache_path(cfg.data)}): the run builds it "
+            "and checks its splits then")
+        return None
+    facts = check_data(cfg, model_cfg.vocab_size)
+    out(f"data: checked: {facts.train_tokens:,} training tokens ({facts.train_samples:,} sequences), "
+        f"{facts.val_tokens:,} held out; {epochs_phrase(facts.epochs(cfg))}")
+    return facts
+
+
+def epochs_phrase(epochs: float) -> str:
+    """How many passes over the training split the run's steps make."""
+    if epochs <= 1:
+        return f"the run reads {epochs:.0%} of the training split"
+    return f"the run passes over the training split {epochs:.1f} times (data repeats)"

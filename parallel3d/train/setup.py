@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from parallel3d.config import JobConfig, ModelConfig
+from parallel3d.config import DataConfig, JobConfig, ModelConfig
 from parallel3d.errors import UserError
 from parallel3d.models.llama import LlamaConfig
 from parallel3d.model_config import resolve_model_config  # noqa: F401 - re-exported
@@ -71,7 +71,9 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
         if value < least:
             raise UserError(f"{name} must be at least {least}, got {value}")
     if train.seq_len > model.max_seq_len:
-        raise UserError(f"train.seq_len {train.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+        where = "model.hf_checkpoint's config.json" if cfg.model.hf_checkpoint else "model.max_seq_len"
+        raise UserError(f"train.seq_len {train.seq_len} exceeds the model's context of {model.max_seq_len} "
+                        f"tokens ({where}): set --train.seq_len={model.max_seq_len}")
     check_reliability(cfg)
     check_autopilot(cfg)
 
@@ -101,6 +103,11 @@ def check_data_source(cfg: JobConfig) -> None:
         raise UserError(f"data.source 'prepared' needs data.path: make a dataset with `parallel3d "
                         f"prepare-data INPUTS --tokenizer {tokenizer} --out DATA_DIR` and pass "
                         "--data.path=DATA_DIR")
+    default = DataConfig.val_fraction
+    if data.path and data.val_fraction != default:
+        raise UserError(f"data.val_fraction {data.val_fraction} does not apply to a prepared dataset "
+                        f"(data.path '{data.path}'), whose validation split prepare-data fixed: drop "
+                        f"data.val_fraction, or prepare the data again with --val-fraction {data.val_fraction}")
 
 
 def check_reliability(cfg: JobConfig) -> None:
@@ -194,9 +201,3 @@ def check_paths(cfg: JobConfig) -> None:
             raise UserError(f"{name} '{value}' cannot be created: '{parent}' is a file")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise UserError(f"{name} '{value}' cannot be created: '{parent}' is not writable")
-
-
-def check_vocab(tokenizer_vocab: int, model: LlamaConfig) -> None:
-    if tokenizer_vocab > model.vocab_size:
-        raise UserError(f"the tokenizer's vocabulary ({tokenizer_vocab}) exceeds model.vocab_size "
-                        f"{model.vocab_size}: raise model.vocab_size or lower data.vocab_size")

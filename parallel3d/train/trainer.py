@@ -57,7 +57,7 @@ from parallel3d.topology import Topology
 from parallel3d.train.data import build_train_data
 from parallel3d.train.metrics import MetricsLogger
 from parallel3d.train.optim import autocast_for, build_optimizer, lr_at, storage_dtype
-from parallel3d.train.setup import check_job, resolve_model_config
+from parallel3d.train.setup import check_job, check_paths, resolve_model_config
 
 
 class Trainer:
@@ -76,6 +76,7 @@ class Trainer:
         self.device = device or torch.device("cpu")
         self.model_cfg = resolve_model_config(cfg.model)
         check_job(cfg, self.model_cfg, topo.world_size)
+        check_paths(cfg)  # the directories it writes, as the launching process checks them
 
         self.data = build_train_data(cfg, topo, self.device, self.model_cfg.vocab_size)
         self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
