@@ -121,8 +121,10 @@ def _summary(cfg, model, wall_s: float) -> list[str]:
         facts = check_start(cfg, model, out=lambda line: None)
     except UserError:
         facts = None
-    if facts is not None:  # after "done: ...": how often the data was read
-        lines.insert(1, f"data: {data_use(facts, cfg)}")
+    if facts is not None:  # on the "done: ..." line: how often the data was read
+        epochs = facts.epochs(cfg)
+        lines[0] += (f"; {epochs:.1f} passes over the training split (data repeated)" if epochs > 1
+                     else f"; {epochs:.0%} of the training split read")
     return lines
 
 

@@ -59,7 +59,7 @@ def test_train_on_a_terminal_shows_banner_build_line_val_loss_and_summary(tmp_pa
     start = next(i for i, line in enumerate(lines) if line.startswith("parallel3d: Llama, "))
     for key in ("world     2 ranks = tp 1 x pp 1 x dp 2", "grid      rank = ", "schedule  ",
                 "steps     6 x 8 sequences x 32 tokens", "data      stdlib corpus", f"run dir   {run}"):
-        assert any(line.strip().startswith(key.strip()) for line in lines[start:start + 9]), key
+        assert any(line.strip().startswith(key.strip()) for line in lines[start:start + 12]), key
     building = next(i for i, line in enumerate(lines) if line.startswith("building the stdlib corpus"))
     assert building > start and lines[building + 1].startswith("stdlib corpus built in ")
     # the bar: one segment per step, each starting at the line's start, nothing after it

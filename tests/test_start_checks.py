@@ -235,3 +235,29 @@ def test_a_preset_model_with_a_larger_vocabulary_suggests_model_vocab_size(setup
     message = _message(argv)
     (change,) = [c for c in _apply(argv, message) if c[-1].startswith("--model.vocab_size")]
     _checks(change)
+
+
+def test_the_banner_and_the_summary_say_when_data_repeats(setup, tmp_path):
+    """Issue 37 point 5: epochs = steps * global_batch / the training split's sequences
+    (here 2000 x 8 over ~8,000 sequences of 32 tokens); the banner's lines wrap at 120."""
+    from parallel3d.cli import _banner, _summary
+
+    cfg = load_config(RECIPE, _base(setup, tmp_path) + ["--train.steps=2000", "--eval.interval=0"])
+    model = resolve_model_config(cfg.model)
+    facts = check_data(cfg, model.vocab_size)
+    epochs = 2000 * 8 / facts.train_samples
+    assert epochs > 1
+    lines = _banner(cfg, model, 1, "gloo", facts)
+    first = next(i for i, line in enumerate(lines) if line.startswith("  data      "))
+    last = next(i for i, line in enumerate(lines) if line.startswith("  run dir   "))
+    assert last - first >= 2 and max(len(line) for line in lines[first:last]) <= 120, lines
+    text = " ".join(line.strip() for line in lines)
+    assert (f"{facts.train_tokens:,} training tokens ({facts.train_samples:,} sequences): the run passes over "
+            f"the training split {epochs:.1f} times (data repeats)") in text, text
+    run = Path(cfg.run.dir)
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 1.0,
+                                                    "step_time_s": 0.1}) + "\n")
+    done = _summary(cfg, model, 1.0)[0]
+    assert done.startswith("done: ") and done.endswith(f"; {epochs:.1f} passes over the training split "
+                                                       "(data repeated)"), done

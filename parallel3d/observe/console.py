@@ -11,6 +11,7 @@ called once by the command line (rank 0 or the launching process), never per ste
 from __future__ import annotations
 
 import statistics
+import textwrap
 from pathlib import Path
 
 from parallel3d.observe.progress import duration
@@ -82,9 +83,20 @@ def banner(cfg, model, world: int, split: list[int], backend: str, dtype: str, d
     evals = (f"; held-out loss every {cfg.eval.interval} steps" if cfg.eval.interval else "; no held-out loss")
     lines.append(f"  steps     {train.steps} x {train.global_batch} sequences x {train.seq_len} tokens = "
                  f"{tokens:,} tokens a step; lr {train.lr:g}, warm-up {train.warmup_steps}{evals}")
-    lines.append(f"  data      {data}")
+    lines += wrap_field("data", data)
     lines.append(f"  run dir   {cfg.run.dir} (metrics.jsonl, config.json; then `parallel3d report {cfg.run.dir}`)")
     return lines
+
+
+WIDTH = 120  # the banner's lines: a long data source or path wraps under its field
+
+
+def wrap_field(name: str, text: str) -> list[str]:
+    """``  name      text`` wrapped at :data:`WIDTH` columns, continuation lines indented
+    under the text (a path longer than a line stays whole)."""
+    indent = " " * 12
+    return textwrap.wrap(text, WIDTH, initial_indent=f"  {name:10s}", subsequent_indent=indent,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 def outputs(run_dir: Path, checkpoint_dir: Path | None, export_dir: Path | None) -> list[str]:
