@@ -152,7 +152,8 @@ def test_a_block_by_the_cpu_kernel_equals_the_explicit_math(kind):
     k, v = torch.randn(2, 2, 37, 16), torch.randn(2, 2, 37, 16)
     q_docs = torch.tensor([[0] * 10 + [1] * 27, [2] * 37])  # row 1: no key of its document
     k_docs = torch.tensor([[0] * 5 + [1] * 32, [1] * 37])
-    for same_doc in (None, blocks.block_mask(q_docs, k_docs)):
+    one_doc = blocks.block_mask(torch.zeros(2, 37), torch.zeros(2, 37))  # a plain window's
+    for same_doc in (None, one_doc, blocks.block_mask(q_docs, k_docs)):
         out, lse = blocks.block_forward(q, k, v, kind, same_doc, 0.25)
         out_ref, lse_ref = blocks.block_forward_ref(q, k, v, kind, same_doc, 0.25)
         torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
@@ -163,7 +164,7 @@ def test_a_block_by_the_cpu_kernel_equals_the_explicit_math(kind):
         grads_ref = blocks.block_backward_ref(q, k, v, d_out, row_lse, delta, kind, same_doc, 0.25)
         for g, g_ref in zip(grads, grads_ref):
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
-    assert lse_ref[1].isinf().all() and not lse_ref[0].isinf().any()
+    assert lse_ref[1].isinf().all() and not lse_ref[0].isinf().any()  # the last case: empty rows
 
 
 def test_cp_1_is_plain_attention():
