@@ -1,5 +1,8 @@
 """``parallel3d convert SRC DST --to {hf,parallel3d,dcp}``: streaming, verified conversion.
 
+A Hugging Face SRC converted ``--to hf`` keeps its tokenizer files and
+generation_config.json (:data:`.hf.COMPANION_FILES`), as the training export does.
+
 SRC is recognised by what it holds (:func:`open_source`): a Hugging Face folder, a
 parallel3d checkpoint at any layout, DeepSpeed (ZeRO 0-3), a torch DCP folder (Hugging
 Face or torchtitan naming), Megatron-Core (``torch_dist`` or legacy ``mp_rank_XX``). Every
@@ -40,7 +43,7 @@ from parallel3d.errors import UserError
 from . import zerocopy
 from .errors import CheckpointError
 from .format import LATEST
-from .hf import HFFolder, is_hf_folder
+from .hf import HFFolder, copy_companion_files, is_hf_folder
 from .pipeline import DEFAULT_BUDGET, Progress, default_threads
 from .reader import CheckpointReader, find_checkpoint, step_dir_name
 
@@ -219,6 +222,9 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
             raise
         finally:
             bar.close()
+        companions = []
+        if to == "hf" and isinstance(source, HFFolder):  # the tokenizer and generation config go along
+            companions = copy_companion_files(src, tmp)
         _publish(tmp, final)
         if to == "parallel3d":
             (dst / LATEST).write_text(final.name + "\n")
@@ -226,13 +232,15 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
     finally:
         source.close()
     summary = {"tensors": len(names), "bytes": total, "seconds": seconds, "dst": str(final),
-               "verified": verify}
+               "verified": verify, "copied": companions}
     if progress:
         how = {"hash": "verified (checksums while writing; headers and sizes re-read)",
                "full": "verified (source hashes checked, every tensor read back)",
                "none": "not verified"}[verify]
-        print(f"convert: wrote {len(names)} tensors ({total / 2**30:.2f} GiB) to {final} in "
-              f"{seconds:.1f} s, {how}", file=sys.stderr, flush=True)
+        size = f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.2f} MiB"
+        also = f"; with the source's {', '.join(companions)}" if companions else ""
+        print(f"convert: wrote {len(names)} tensors ({size}) to {final} in {seconds:.1f} s, {how}{also}",
+              file=sys.stderr, flush=True)
     return summary
 
 

@@ -187,7 +187,8 @@ class Progress:
         elif self.enabled and self.done / self.total >= self._next - 1e-9:
             self._next = math.floor(self.done / self.total * 10 + 1) / 10
             rate = self.done / max(time.monotonic() - self._t0, 1e-9) / 2**20
-            print(f"{self.what}: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB "
+            unit, scale = ("GiB", 2**30) if self.total >= 2**30 else ("MiB", 2**20)  # no "0.00 / 0.00 GiB"
+            print(f"{self.what}: {self.done / scale:.2f} / {self.total / scale:.2f} {unit} "
                   f"({100 * self.done / self.total:.0f}%, {rate:.0f} MiB/s)", file=sys.stderr, flush=True)
 
     def close(self) -> None:
