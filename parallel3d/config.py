@@ -52,6 +52,9 @@ class ModelConfig:
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
     init_std: float | None = None
+    # The longest sequence the model takes (train.seq_len at most): a preset's is its
+    # pre-training context; a long-context recipe raises it (RoPE has no table to outgrow).
+    max_seq_len: int | None = None
     # A Hugging Face model folder (config.json + safetensors): the model's shape comes from
     # its config.json and its weights initialize the model at any layout (fine-tuning).
     hf_checkpoint: str = ""

@@ -45,7 +45,8 @@ def test_recipe_dry_runs_at_its_world_size(recipe, tmp_path):
     # In seconds of this process's CPU (2.2 s for llama3_70b, the largest), not of the
     # clock: the same dry run took 25.6 s by the clock while other runs loaded the machine.
     assert cpu_s < 20, f"{recipe.name}: dry run took {cpu_s:.1f} s of CPU"
-    assert found["world_size"] == world == cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
+    par = cfg.parallel
+    assert found["world_size"] == world == par.tp * par.cp * par.pp * par.dp
     assert f"{world} ranks" in lines[0]
     params = list(found["model"].parameters())
     assert params and all(p.is_meta for p in params), "a weight was allocated"
@@ -186,3 +187,27 @@ def test_the_default_recipe_says_the_split_it_runs():
     dry_run(load_config(recipe), 8, out=lines.append)
     stages = [line.split("): ", 1)[1] for line in lines if line.startswith("  stage ") and "(ranks" in line]
     assert said.split("# ", 1)[1].startswith(" | ".join(stages)), (said, stages)
+
+
+def test_the_128k_recipe_dry_runs_with_context_parallelism_and_fits_an_h100():
+    """recipes/llama3_8b_128k.toml (the planner's choice for 8B at 128K tokens on 64 H100s,
+    tests/test_planner.py checks it is): the CLI's dry run names cp in the layout, gives
+    each cp rank its share of a sequence, and the stage fits an H100 80GB."""
+    recipe = RECIPES[[p.stem for p in RECIPES].index("llama3_8b_128k")]
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe), "--dry-run",
+                           "--gpu", "h100-80g"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    layout = next(line for line in lines if line.startswith("layout: "))
+    cfg = load_config(recipe)
+    assert cfg.parallel.cp > 1 and f"x cp {cfg.parallel.cp} ({cfg.parallel.cp_comm}) x" in layout, layout
+    assert f"{131072 // cfg.parallel.cp} tokens of each sequence per cp rank" in proc.stdout
+    assert "64 ranks (8 nodes x 8)" in lines[0] and "stage 0 (ranks 0..63)" in proc.stdout
+    row = next(line for line in lines if line.strip().startswith("0 (all)"))
+    assert "fits, " in row and "DOES NOT FIT" not in proc.stdout
+    # activations from the planner at S / cp tokens: a cp 1 job of the same layout does not fit
+    replicas = cfg.parallel.cp * cfg.parallel.dp
+    over = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe), "--dry-run",
+                           "--gpu", "h100-80g", "--parallel.cp=1", f"--parallel.dp={replicas}"],
+                          capture_output=True, text=True, timeout=300)
+    assert over.returncode == 0 and "DOES NOT FIT" in over.stdout, over.stdout + over.stderr

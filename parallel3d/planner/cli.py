@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from parallel3d.errors import UserError
@@ -39,7 +39,7 @@ def gpu_from_args(args, internode_gbit_per_s: float | None = None):
 def add_plan_parser(sub) -> None:
     p = sub.add_parser(
         "plan", help="predict memory and step time of every layout and recommend one",
-        description="Rank every valid layout (tp, pp, dp, micro-batch, schedule, ZeRO, "
+        description="Rank every valid layout (tp, cp, pp, dp, micro-batch, schedule, ZeRO, "
                     "recomputation, sequence parallelism) of a job by predicted step time and "
                     "recommend the fastest that fits. Only --model, --gpus and the GPU are needed: "
                     "the rest defaults to the common case, printed with the plan.")
@@ -50,7 +50,8 @@ def add_plan_parser(sub) -> None:
                    help="GPUs in one node, i.e. one NVLink domain (default: the GPU's usual node, "
                         "8; gb200: 72)")
     p.add_argument("--seq-len", type=int, default=None,
-                   help=f"tokens per sequence (default: the model's context, at most {DEFAULT_MAX_SEQ_LEN})")
+                   help=f"tokens per sequence (default: the model's context, at most {DEFAULT_MAX_SEQ_LEN}; "
+                        "longer than a preset's context raises its max_seq_len, as a long-context stage does)")
     p.add_argument("--global-batch", type=int, default=None,
                    help=f"sequences per optimizer step (default: {DEFAULT_TOKENS_PER_STEP // 2**20}M tokens "
                         "a step, rounded up to a multiple of --gpus)")
@@ -61,7 +62,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--write-recipe", metavar="FILE", help="write the recommended layout as a TOML recipe")
     p.add_argument("--calibrate", metavar="RUN", help="refresh the compute efficiency from a run's "
                    "metrics.jsonl (a run directory, or the file; config.json must sit beside it)")
-    for key in ("tp", "pp", "dp"):
+    for key in ("tp", "cp", "pp", "dp"):
         p.add_argument(f"--{key}", type=int, default=None, help=f"consider only this {key}")
 
 
@@ -99,7 +100,7 @@ def resolve_model(spec: str):
         cfg = config_from_hf(json.loads(path.read_text()))
     except (ValueError, KeyError) as e:
         raise UserError(f"--model {spec}: {e}") from None
-    keys = {k: v for k, v in asdict(cfg).items() if k not in ("max_seq_len", "init_std")}
+    keys = {k: v for k, v in asdict(cfg).items() if k != "init_std"}
     return cfg, {"preset": "debug", **keys}
 
 
@@ -107,6 +108,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from parallel3d.planner.calibrate import calibrate_from_run, default_efficiency
     from parallel3d.planner.report import assumptions, reasons, recipe_text, table
     from parallel3d.planner.search import recommend, search
+    from parallel3d.models.llama import PRESETS
     from parallel3d.planner.spec import Workload
 
     if not (args.gpu or args.gpu_spec):
@@ -127,13 +129,22 @@ def run_plan(args: argparse.Namespace) -> int:
         why = "is a directory" if recipe.is_dir() else f"is in '{recipe.parent}', which is not a directory"
         raise UserError(f"--write-recipe '{recipe}' {why}: give a file path for the TOML recipe")
     if args.seq_len > model.max_seq_len:
-        raise UserError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {model.max_seq_len}")
+        if args.model not in PRESETS:
+            # a config.json's max_position_embeddings is what its rotary scaling covers
+            raise UserError(f"--seq-len {args.seq_len} exceeds the model's max_seq_len {model.max_seq_len} "
+                            f"(max_position_embeddings of {args.model})")
+        # A preset is a shape trained from scratch: its context is its pre-training stage's,
+        # and a long-context stage raises it (Llama 3: 8K, then up to 128K with RoPE theta
+        # 500000); the written recipe sets model.max_seq_len.
+        assumed.append(f"model.max_seq_len raised from {model.max_seq_len} to {args.seq_len}")
+        model = replace(model, max_seq_len=args.seq_len)
+        model_keys = {**model_keys, "max_seq_len": args.seq_len}
     eff = default_efficiency()
     if args.calibrate:
         eff, how = calibrate_from_run(args.calibrate, gpu, args.gpus_per_node)
         print(f"calibrated: {how}")
     work = Workload(model, args.seq_len, args.global_batch, args.dtype)
-    fixed = {k: getattr(args, k) for k in ("tp", "pp", "dp") if getattr(args, k) is not None}
+    fixed = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp") if getattr(args, k) is not None}
     candidates = search(work, args.gpus, args.gpus_per_node, gpu, eff, fixed)
     if not candidates:
         raise UserError(f"no valid layout: {args.gpus} GPUs cannot split {model.n_layers} layers, "

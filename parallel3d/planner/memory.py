@@ -55,9 +55,22 @@ B, as 1F1B), ``min(2 pp, m + r + 1)`` chunk-micro-batches for zb-v. The plan's w
 (:func:`backward_moments`) gives, at each B, how many are before their B and how many
 between B and W.
 
+Context parallelism (cp > 1) gives a rank ``S / cp`` tokens of each sequence (two
+head-tail chunks): every per-token term above counts those tokens only. What the
+attention keeps changes with the comm mode (:func:`cp_attention_extra`): the all-gather
+mode's SDPA keeps the whole sequence's K and V (its inputs) in place of the local k and
+v, the ring keeps its output beside the o projection's input. Each layer's comm buffers
+(:func:`cp_transient_bytes`) live while it runs. Measured on CPU in
+``tests/test_planner.py`` (the ring: the bytes autograd saves at cp 2 against cp 1). The
+GPU path this assumes is a flash-style kernel (activations linear in tokens): SDPA with
+the all-gather mode's (S_l, S) mask under grouped-query attention runs torch's math
+kernel, which keeps the (B, H, S_l, S) probabilities, and the ring's blocks off CPU run
+explicit math with (c, c) fp32 scores; neither is counted.
+
 Model states per parameter held (bytes, see :data:`~parallel3d.planner.spec.PRECISION`):
 weights, master weights (mixed precision only), gradients (fp32) and Adam (8), all
-allocated by the flat-buffer optimizer at construction. ZeRO 1 shards master weights and
+allocated by the flat-buffer optimizer at construction; cp changes none of them, but
+ZeRO shards over the replicas dp x cp ("dp" below). ZeRO 1 shards master weights and
 moments over dp and keeps the whole fp32 gradient buffer plus its reduced shard; ZeRO 2
 keeps only the shard, and packs each bucket of a backward pass into a transient fp32
 buffer, at most two in flight. The step itself (clipping, the fused AdamW over flat
@@ -150,7 +163,41 @@ def layer_activation_bytes(model, tokens: int, layout: Layout, act: int, recompu
     if recompute == "selective":
         return tokens * (layer_in + act * (2 * d + (d + 2 * kv + 2 * f) // tp))
     full = 4 * layer_in + act * (2 * d + 2 * kv + 3 * f) // tp
-    return tokens * (full + small)
+    return tokens * (full + small + cp_attention_extra(model, layout, act))
+
+
+def kv_width(model, tp: int) -> int:
+    """K (or V) elements per token on one tensor-parallel rank: its kv-heads, at least one
+    (kv-heads are replicated when tp exceeds their number)."""
+    return max(1, model.n_kv_heads // tp) * model.head_dim
+
+
+def cp_attention_extra(model, layout: Layout, act: int) -> int:
+    """Bytes per local token a layer saves beyond the plain attention's, at cp > 1
+    (without recomputation; recomputation keeps only matmul outputs, local as ever).
+    ``allgather``: SDPA keeps its inputs, the whole sequence's K and V (cp times the
+    rank's own), instead of the local rotated k and v. ``ring``: the ring keeps its output
+    (B, H, S_l, D) besides the o projection's input (B, S_l, H D), a copy."""
+    if layout.cp == 1:
+        return 0
+    if layout.cp_mode(model) == "allgather":
+        return (layout.cp - 1) * 2 * kv_width(model, layout.tp) * act
+    return act * model.n_heads * model.head_dim // layout.tp
+
+
+def cp_transient_bytes(model, tokens: int, layout: Layout, act: int) -> int:
+    """The context-parallel attention's buffers of one layer, alive while it runs, for
+    ``tokens`` local tokens. ``allgather``: the whole sequence's K and V twice (forward:
+    the gathered (cp, 2, B, Hkv, S_l, D) and its copy in global order; backward: their
+    gradient and its reshuffle for the reduce-scatter). ``ring``: the K/V in flight and
+    the one received, two fp32 dK/dV accumulators (the one computed, the one passing
+    through) and the fp32 dq."""
+    if layout.cp == 1:
+        return 0
+    kv = 2 * kv_width(model, layout.tp)  # K and V per token
+    if layout.cp_mode(model) == "allgather":
+        return 2 * tokens * layout.cp * kv * act
+    return tokens * (kv * (2 * act + 2 * 4) + 4 * model.n_heads * model.head_dim // layout.tp)
 
 
 def head_activation_bytes(model, tokens: int, layout: Layout, act: int) -> tuple[int, int]:
@@ -285,7 +332,9 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     n, layers, largest = stage_params(model, layout, pp_rank, split)
     m = layout.n_micro(work)
     mem = StageMemory(stage=pp_rank, layers=layers, params=n)
-    shard = layout.dp if layout.zero >= 1 else 1
+    # weights are replicated over dp x cp: ZeRO shards and gradients reduce over both
+    replicas = layout.replicas
+    shard = replicas if layout.zero >= 1 else 1
     # The flat-buffer optimizer (parallel3d/zero) allocates everything at construction:
     # the parameters (their dtype), fp32 masters when they are bf16, the moments, and the
     # fp32 gradient buffers, resident from the first step to the last.
@@ -293,9 +342,9 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     mem.master = n * b["master"] // shard
     mem.optimizer = n * ADAM_BYTES // shard
     if layout.zero == 2:  # gradients accumulate in the shard only
-        mem.full_grads = 4 * n // layout.dp
+        mem.full_grads = 4 * n // replicas
     else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
-        mem.full_grads = 4 * n + (4 * n // layout.dp if layout.zero == 1 else 0)
+        mem.full_grads = 4 * n + (4 * n // replicas if layout.zero == 1 else 0)
     bucket = min(bucket_bytes, 4 * n)
     in_flight_buckets = MAX_INFLIGHT * bucket
     # Inside a backward: stage 2 packs each bucket into a fresh fp32 buffer, at most
@@ -307,15 +356,17 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     transient_grads = largest * b["weight"]
     if layout.zero == 2:
         transient_grads += in_flight_buckets
-    if gloo and layout.zero >= 1 and layout.dp > 1:
+    if gloo and layout.zero >= 1 and replicas > 1:
         transient_grads += in_flight_buckets
 
-    tokens = layout.micro_batch * work.seq_len
+    tokens = layout.micro_batch * work.seq_len // layout.cp  # a cp rank's head-tail chunks
     per_chunk_layers = layers / layout.virtual_stages
     chunk_act = per_chunk_layers * layer_activation_bytes(model, tokens, layout, b["act"], layout.recompute)
-    rebuilt = 0
+    # One layer's context-parallel buffers exist while it runs, and while a rebuilt layer
+    # runs its backward.
+    rebuilt = cp_transient_bytes(model, tokens, layout, b["act"])
     if layout.recompute != "none":  # one layer rebuilt at a time in the backward pass
-        rebuilt = layer_activation_bytes(model, tokens, layout, b["act"], "none")
+        rebuilt += layer_activation_bytes(model, tokens, layout, b["act"], "none")
     # A chunk that is not the last keeps its output in the runtime's stash until its
     # backward (pipeline/runtime.py); autograd itself saves no layer's output.
     stashed = tokens * b["act"] * model.dim // (layout.tp if layout.sequence_parallel else 1)

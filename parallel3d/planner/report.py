@@ -27,7 +27,7 @@ def table(candidates: list[Candidate], top: int) -> str:
 def _shares(c: Candidate) -> dict[str, float]:
     t = c.time
     return {"compute": t.compute_s, "pipeline bubble": t.bubble_s, "tensor-parallel comm": t.tp_comm_s,
-            "pipeline p2p": t.pp_comm_s, "data-parallel comm": t.dp_comm_s, "optimizer step": t.optimizer_s}
+            "context-parallel comm": t.cp_comm_s, "pipeline p2p": t.pp_comm_s, "data-parallel comm": t.dp_comm_s, "optimizer step": t.optimizer_s}
 
 
 def why_slower(c: Candidate, best: Candidate) -> str:
@@ -52,11 +52,13 @@ def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int) ->
            f"{best.required / GiB:.1f} GiB of {best.budget / GiB:.1f} GiB on its fullest stage "
            f"({parts})"]
     alternatives = [
-        ("pure data parallel (tp1 pp1)", lambda L: L.tp == 1 and L.pp == 1),
+        ("pure data parallel (tp1 pp1)", lambda L: L.tp == 1 and L.pp == 1 and L.cp == 1),
         (f"tensor parallel across the node (tp{gpus_per_node} pp1)", lambda L: L.tp == gpus_per_node and L.pp == 1),
         ("no pipeline (pp1)" if lay.pp > 1 else "a pipeline (pp>1)",
          (lambda L: L.pp == 1) if lay.pp > 1 else (lambda L: L.pp > 1)),
     ]
+    if lay.cp > 1:
+        alternatives.append(("no context parallelism (cp1)", lambda L: L.cp == 1))
     if lay.recompute != "none":
         alternatives.append(("the same layout without recomputation",
                              lambda L: L == _with(lay, recompute="none")))
@@ -69,7 +71,8 @@ def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int) ->
                              lambda L: L == _with(lay, schedule="1f1b", virtual_stages=1)))
     elif lay.pp > 1:
         alternatives.append(("a zero-bubble schedule on the same degrees",
-                             lambda L: L.schedule in ZERO_BUBBLE and (L.tp, L.pp, L.dp) == (lay.tp, lay.pp, lay.dp)))
+                             lambda L: L.schedule in ZERO_BUBBLE
+                             and (L.tp, L.cp, L.pp, L.dp) == (lay.tp, lay.cp, lay.pp, lay.dp)))
     seen = {lay}
     for label, pick in alternatives:
         alt = _best_of(candidates, pick)
@@ -123,6 +126,8 @@ def recipe_text(best: Candidate, work: Workload, model_keys: dict, n_gpus: int, 
 
 [parallel]
 tp = {lay.tp}
+cp = {lay.cp}
+cp_comm = "{lay.cp_comm}"
 pp = {lay.pp}
 dp = {lay.dp}
 schedule = "{lay.schedule}"

@@ -2,8 +2,9 @@
 
 A layout is valid when the trainer's own checks accept it (degrees divide the world,
 heads and kv-heads divide by tp, every chunk has a layer, the global batch divides into
-micro-batches, at least pp micro-batches); ``tp`` stays inside a node (its all-reduces
-are on the critical path of every layer). It fits when its largest stage, plus the
+micro-batches, at least pp micro-batches, the sequence into 2 cp head-tail chunks and,
+under sequence parallelism, a cp rank's S / cp tokens over tp); ``tp`` stays inside a
+node (its all-reduces are on the critical path of every layer). It fits when its largest stage, plus the
 fragmentation margin, is within the GPU's memory less the runtime reserve.
 """
 
@@ -18,6 +19,10 @@ from parallel3d.planner.spec import Layout, Workload
 from parallel3d.planner.timing import StepTime, step_time
 
 MAX_MICRO_BATCH = 16
+# Context parallelism is searched from this sequence length up (and below it when no layout
+# fits without): Llama 3 used it only for its long-context stage (up to 128K tokens).
+CP_MIN_SEQ_LEN = 16384
+CP_COMMS = ("allgather", "ring")  # parallel.cp_comm values searched at cp > 1
 VIRTUAL_STAGES = range(2, 9)  # chunks per rank; beyond 8 the extra point-to-point outweighs the bubble
 
 
@@ -56,27 +61,41 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def valid_layouts(work: Workload, n_gpus: int, gpus_per_node: int, fixed: dict | None = None):
-    """Yield every valid :class:`Layout` for ``n_gpus``; ``fixed`` pins fields by name."""
+def cp_degrees(work: Workload, n: int, with_cp: bool) -> list[int]:
+    """Context-parallel degrees to try on ``n`` ranks: those whose 2 cp head-tail chunks
+    divide the sequence; only 1 unless ``with_cp`` (:func:`search` asks for cp > 1 on
+    sequences of :data:`CP_MIN_SEQ_LEN` tokens or more, or when nothing fits without)."""
+    if not with_cp:
+        return [1]
+    return [cp for cp in _divisors(n) if work.seq_len % (2 * cp) == 0]
+
+
+def valid_layouts(work: Workload, n_gpus: int, gpus_per_node: int, fixed: dict | None = None,
+                  with_cp: bool = False):
+    """Yield every valid :class:`Layout` for ``n_gpus``; ``fixed`` pins fields by name.
+    Rank order tp, cp, pp/dp: tp and cp inside a node where they fit."""
     fixed = fixed or {}
     model = work.model
+    with_cp = with_cp or fixed.get("cp", 1) > 1
     for tp in _divisors(n_gpus):
         if tp > gpus_per_node or model.n_heads % tp or model.n_kv_heads % tp:
             continue
-        for pp in _divisors(n_gpus // tp):
-            dp = n_gpus // (tp * pp)
-            if pp > model.n_layers or work.global_batch % dp:
-                continue
-            if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("pp", pp), ("dp", dp))):
-                continue
-            per_rank = work.global_batch // dp
-            for mb in [d for d in _divisors(per_rank) if d <= MAX_MICRO_BATCH]:
-                if per_rank // mb < pp:
+        for cp in cp_degrees(work, n_gpus // tp, with_cp):
+            for pp in _divisors(n_gpus // (tp * cp)):
+                dp = n_gpus // (tp * cp * pp)
+                if pp > model.n_layers or work.global_batch % dp:
                     continue
-                yield from _variants(model, tp, pp, dp, mb, per_rank // mb, fixed)
+                if any(fixed.get(k, v) != v for k, v in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp))):
+                    continue
+                per_rank = work.global_batch // dp
+                for mb in [d for d in _divisors(per_rank) if d <= MAX_MICRO_BATCH]:
+                    if per_rank // mb < pp:
+                        continue
+                    yield from _variants(work, tp, cp, pp, dp, mb, per_rank // mb, fixed)
 
 
-def _variants(model, tp, pp, dp, mb, n_micro, fixed):
+def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed):
+    model = work.model
     schedules = [("1f1b", 1)]
     if pp > 1:
         # interleaved: as check_job demands, micro-batches a multiple of pp; zb-v: two
@@ -86,11 +105,16 @@ def _variants(model, tp, pp, dp, mb, n_micro, fixed):
             if pp * v <= model.n_layers and n_micro % pp == 0]
         if 2 * pp <= model.n_layers:
             schedules.append(("zb-v", 2))
-    zeros = (0, 1, 2) if dp > 1 else (0,)
-    sps = (False, True) if tp > 1 else (False,)
-    for (schedule, v), zero, recompute, sp in product(schedules, zeros, ("none", "selective", "full"), sps):
+    zeros = (0, 1, 2) if dp * cp > 1 else (0,)
+    # sequence parallelism splits a cp rank's S / cp tokens over tp
+    sps = (False, True) if tp > 1 and (work.seq_len // cp) % tp == 0 else (False,)
+    # both comm modes: the all-gather's traffic is exposed, the ring's hides behind the
+    # attention but it keeps its output twice
+    comms = CP_COMMS if cp > 1 else ("auto",)
+    for (schedule, v), zero, recompute, sp, comm in product(schedules, zeros, ("none", "selective", "full"),
+                                                             sps, comms):
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, schedule=schedule, virtual_stages=v,
-                        zero=zero, recompute=recompute, sequence_parallel=sp)
+                        zero=zero, recompute=recompute, sequence_parallel=sp, cp=cp, cp_comm=comm)
         if all(getattr(layout, k) == val for k, val in fixed.items()):
             yield layout
 
@@ -107,9 +131,20 @@ def evaluate(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
 def search(work: Workload, n_gpus: int, gpus_per_node: int, gpu: GPU, eff: Efficiency | None = None,
            fixed: dict | None = None) -> list[Candidate]:
     """All valid layouts: those that fit by predicted step time (ties, to 0.1 ms, go to the
-    one needing less memory), then those that do not, least over budget first."""
-    found = [evaluate(work, layout, gpu, gpus_per_node, eff)
-             for layout in valid_layouts(work, n_gpus, gpus_per_node, fixed)]
+    one needing less memory), then those that do not, least over budget first.
+
+    Context parallelism is searched on sequences of :data:`CP_MIN_SEQ_LEN` tokens or more
+    (below, a sequence's activations are small next to the model states, and cp only adds
+    K/V traffic), or when no layout fits without it."""
+    def evaluated(with_cp: bool, least_cp: int = 1) -> list[Candidate]:
+        return [evaluate(work, layout, gpu, gpus_per_node, eff)
+                for layout in valid_layouts(work, n_gpus, gpus_per_node, fixed, with_cp)
+                if layout.cp >= least_cp]
+
+    with_cp = work.seq_len >= CP_MIN_SEQ_LEN
+    found = evaluated(with_cp)
+    if not with_cp and not any(c.fits for c in found):
+        found += evaluated(True, least_cp=2)
     return sorted(found, key=lambda c: (not c.fits, round(c.time.step_s, 4) if c.fits else c.over_bytes,
                                         c.required))
 

@@ -58,10 +58,23 @@ class Layout:
     sequence_parallel: bool = False
     cp: int = 1  # context parallelism: sequences split over cp ranks (weights replicated)
     ep: int = 1  # expert parallelism, carved from dp
+    cp_comm: str = "auto"  # allgather, ring, or auto (context_parallel.cost.choose_comm)
 
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights: gradients reduce and ZeRO shards over dp x cp."""
+        return self.dp * self.cp
+
+    def cp_mode(self, model) -> str:
+        """The context-parallel comm the trainer runs: ``cp_comm`` with "auto" resolved
+        as ``apply_context_parallel`` resolves it."""
+        from parallel3d.context_parallel.cost import choose_comm
+
+        return choose_comm(self.cp_comm, model.n_heads, model.n_kv_heads)
 
     @property
     def chunks(self) -> int:
@@ -72,7 +85,7 @@ class Layout:
         return work.global_batch // (self.micro_batch * self.dp)
 
     def describe(self) -> str:
-        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        cp = f" cp{self.cp}" + (f"-{self.cp_comm}" if self.cp_comm != "auto" else "") if self.cp > 1 else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
         parts = [f"tp{self.tp}{cp} pp{self.pp} dp{self.dp}{ep}", f"mb{self.micro_batch}"]
         if self.pp > 1:
@@ -90,7 +103,7 @@ class Layout:
         return cls(tp=par.tp, pp=par.pp, dp=par.dp, micro_batch=cfg.train.micro_batch,
                    schedule=par.schedule, virtual_stages=par.virtual_stages, zero=par.zero,
                    recompute=cfg.train.recompute, sequence_parallel=par.sequence_parallel,
-                   cp=par.cp, ep=par.ep)
+                   cp=par.cp, ep=par.ep, cp_comm=par.cp_comm)
 
 
 def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None,

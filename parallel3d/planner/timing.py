@@ -8,6 +8,16 @@ Per pipeline slot (one micro-batch through one stage, forward and backward)::
               Sequence parallelism swaps each for a reduce-scatter + all-gather pair, the
               same bytes. Not overlapped with compute.
 
+    cp comm   context parallelism (a rank computes its S / cp tokens: the head-tail chunks
+              balance the causal attention, so the FLOPs per token stay the whole
+              sequence's), per layer the K/V of the whole sequence at the rank's kv-heads:
+              "allgather" all-gathers it in F and reduce-scatters dK/dV in B, exposed;
+              "ring" sends cp - 1 K/V shards in F and cp - 1 K/V shards plus cp fp32 dK/dV
+              shards in B, each step overlapped with that step's block attention (1 / cp
+              of the rank's, twice that in B): exposed only where the message outlasts it,
+              and the last dK/dV message whole. Recomputation re-runs the forward's. On
+              NVLink when tp * cp fits in a node (cp sits between tp and dp in rank order).
+
 A slot splits into F (the forward: GEMMs and attention), B (the input gradient: dgrad
 GEMMs, the attention backward, what recomputation re-runs, the backward's tp collectives)
 and W (the weight gradient: wgrad GEMMs). The pipeline idles, per stage and step
@@ -29,7 +39,8 @@ so it is simulated (cached by pp and the cost ratios, 0.1 s at pp 16). Each slot
 and its gradient back (point-to-point, on the inter-node link when pipeline neighbours
 sit on different nodes), once per chunk of the rank; these are not overlapped either.
 
-After the last backward, data parallelism: ZeRO 0 all-reduces the fp32 gradients, ZeRO 1
+After the last backward, data parallelism over the replicas dp x cp (cp ranks hold the
+same weights): ZeRO 0 all-reduces the fp32 gradients, ZeRO 1
 reduce-scatters them and all-gathers the updated weights, ZeRO 2 reduce-scatters after
 every micro-batch (overlapped with the next micro-batch's compute; the last one is
 exposed) and all-gathers the weights. The ring collectives use the alpha-beta model::
@@ -49,7 +60,7 @@ from functools import lru_cache
 from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_per_token,
                               model_flops_per_token)
 from parallel3d.planner.hardware import GPU, Efficiency
-from parallel3d.planner.memory import stage_params
+from parallel3d.planner.memory import kv_width, stage_params
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
 
 
@@ -64,10 +75,11 @@ class StepTime:
     optimizer_s: float
     tokens_per_s: float
     mfu: float
+    cp_comm_s: float = 0.0  # context parallelism's exposed K/V traffic
 
     @property
     def exposed_comm_s(self) -> float:
-        return self.tp_comm_s + self.pp_comm_s + self.dp_comm_s
+        return self.tp_comm_s + self.cp_comm_s + self.pp_comm_s + self.dp_comm_s
 
 
 def ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
@@ -107,6 +119,35 @@ def stage_phase_flops(work: Workload, layout: Layout, pp_rank: int,
         head = head_forward_flops_per_token(model)
         f, b, w = f + head, b + head, w + head
     return f / layout.tp, b / layout.tp, w / layout.tp
+
+
+def cp_layer_seconds(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
+                     eff: Efficiency) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of one layer's context-parallel K/V traffic
+    for one micro-batch (module docstring): the all-gather of the whole sequence's K/V
+    and the reduce-scatter of dK/dV, or the ring's steps where they outlast the block
+    attention they overlap. (0, 0) at cp 1."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0, 0.0
+    model, act = work.model, work.bytes["act"]
+    bw, lat = _links(gpu, eff, layout.tp * cp <= gpus_per_node)
+    # K and V of the whole sequence at this rank's kv-heads (elements)
+    kv = 2 * layout.micro_batch * work.seq_len * kv_width(model, layout.tp)
+    if layout.cp_mode(model) == "allgather":
+        return (ring_time("all_gather", kv * act, cp, bw, lat),
+                ring_time("reduce_scatter", kv * act, cp, bw, lat))
+    # ring: each step's transfer overlaps the attention of the K/V at hand, 1 / cp of
+    # the rank's attention (head-tail: two chunk blocks a step); the backward's blocks
+    # cost twice the forward's, and its last dK/dV message (to the owner) waits alone
+    tokens = layout.micro_batch * work.seq_len // cp
+    attention = 4 * work.seq_len * model.n_heads * model.head_dim * tokens / layout.tp
+    step_f = attention / (gpu.peak_flops * eff.compute) / cp
+    kv_msg = kv / cp * act / bw + lat
+    dkv_msg = kv / cp * 4 / bw + lat  # fp32 accumulators
+    forward = (cp - 1) * max(0.0, kv_msg - step_f)
+    backward = (cp - 1) * max(0.0, kv_msg + dkv_msg - 2 * step_f) + dkv_msg
+    return forward, backward
 
 
 def bubble_seconds(schedule: str, pp: int, v: int, m: int, f: float, b: float, w: float) -> float:
@@ -151,7 +192,7 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     model, b = work.model, work.bytes
     split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     m = layout.n_micro(work)
-    tokens = layout.micro_batch * work.seq_len
+    tokens = layout.micro_batch * work.seq_len // layout.cp  # a cp rank's head-tail chunks
     flop_rate = gpu.peak_flops * eff.compute
 
     # -- one pipeline slot of the slowest stage: forward, input gradient, weight gradient -
@@ -166,11 +207,18 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     f, bwd, w = (x * tokens / flop_rate for x in slowest)
     f, bwd = f + 2 * ring, bwd + (4 if layout.recompute == "full" else 2) * ring
     compute_slot, tp_slot = sum(slowest) * tokens / flop_rate, (6 if layout.recompute == "full" else 4) * ring
-    slot = compute_slot + tp_slot
+    # context parallelism: per layer the K/V traffic of the forward, and of the backward
+    # (plus the forward's again where recomputation re-runs the attention)
+    cp_f, cp_b = cp_layer_seconds(work, layout, gpu, gpus_per_node, eff)
+    cp_f, cp_b = max_layers * cp_f, max_layers * (cp_b + (cp_f if layout.recompute != "none" else 0.0))
+    f, bwd = f + cp_f, bwd + cp_b
+    cp_slot = cp_f + cp_b
+    slot = compute_slot + tp_slot + cp_slot
 
     compute_s = m * compute_slot
     bubble_s = bubble_seconds(layout.schedule, layout.pp, layout.virtual_stages, m, f, bwd, w)
     tp_comm_s = m * tp_slot
+    cp_comm_s = m * cp_slot
 
     # -- pipeline point-to-point ------------------------------------------------------
     pp_comm_s = 0.0
@@ -184,26 +232,29 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
 
     # -- data parallelism and the optimizer step ----------------------------------------
     n_params = max(stage_params(model, layout, r, split)[0] for r in range(layout.pp))
-    dp_bw, dp_lat = _links(gpu, eff, layout.tp * layout.dp <= gpus_per_node)
+    # gradients reduce (and ZeRO shards) over the replicas dp x cp, tp*cp*dp ranks apart
+    replicas = layout.replicas
+    dp_bw, dp_lat = _links(gpu, eff, layout.tp * replicas <= gpus_per_node)
     grad_bytes = n_params * b["grad"]
     weight_bytes = n_params * b["weight"]
     if layout.zero == 0:
-        dp_comm_s = ring_time("all_reduce", grad_bytes, layout.dp, dp_bw, dp_lat)
+        dp_comm_s = ring_time("all_reduce", grad_bytes, replicas, dp_bw, dp_lat)
     elif layout.zero == 1:
-        dp_comm_s = (ring_time("reduce_scatter", grad_bytes, layout.dp, dp_bw, dp_lat)
-                     + ring_time("all_gather", weight_bytes, layout.dp, dp_bw, dp_lat))
+        dp_comm_s = (ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
+                     + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat))
     else:
-        rs = ring_time("reduce_scatter", grad_bytes, layout.dp, dp_bw, dp_lat)
+        rs = ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
         unhidden = max(0.0, rs - 2 / 3 * slot) * (m - 1)  # what the next backward cannot hide
-        dp_comm_s = rs + unhidden + ring_time("all_gather", weight_bytes, layout.dp, dp_bw, dp_lat)
-    shard = layout.dp if layout.zero >= 1 else 1
+        dp_comm_s = rs + unhidden + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat)
+    shard = replicas if layout.zero >= 1 else 1
     # Adam reads and writes master weights (or fp32 weights) and both moments, reads the
     # gradient, and writes the bf16 weights back: about 32 bytes per element held.
     optimizer_s = 32 * n_params / shard / (gpu.hbm_bytes_per_s * eff.memory)
 
-    step_s = compute_s + bubble_s + tp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
+    step_s = compute_s + bubble_s + tp_comm_s + cp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
     tokens_per_s = work.tokens_per_step / step_s
     achieved = tokens_per_s * model_flops_per_token(model, work.seq_len)
     return StepTime(step_s=step_s, compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                     pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
-                    tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops))
+                    tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops),
+                    cp_comm_s=cp_comm_s)

@@ -20,9 +20,9 @@ models and checks it).
 Bytes per parameter held (the trainer's storage):
 
     weights     2 (bf16) when train.dtype is bf16 (or auto on CUDA), else 4 (fp32)
-    gradients   4 (fp32 accumulation); divided by dp at ZeRO 2
+    gradients   4 (fp32 accumulation); divided by dp x cp at ZeRO 2
     optimizer   8 (Adam's two fp32 moments) + 4 (fp32 master weights, bf16 only);
-                divided by dp at ZeRO 1 and 2
+                divided by dp x cp at ZeRO 1 and 2 (cp ranks hold the same weights)
 
 Activations and step buffers are the planner's estimate (:mod:`parallel3d.planner.memory`)
 at its peak; ``--gpu NAME`` (or ``--gpu-spec``) then says, per stage, whether that fits
@@ -163,7 +163,8 @@ def stage_reports(cfg: JobConfig, model_cfg, world_size: int, planned: list[Stag
     out = []
     for stage in built_stages(par.pp, planned):
         params = count_params(rank_modules(cfg, model_cfg, world_size, stage), model_cfg.vocab_size)
-        out.append(StageReport(stage, params, state_bytes(params.held, dtype, par.zero, par.dp),
+        # weights are replicated over dp x cp: ZeRO shards over both
+        out.append(StageReport(stage, params, state_bytes(params.held, dtype, par.zero, par.dp * par.cp),
                                planned[stage]))
     return out
 
@@ -196,9 +197,9 @@ def stage_table(reports: list[StageReport], pp: int, gpu: GPU | None) -> tuple[s
     return unit, lines
 
 
-def _bytes_legend(dtype: str, zero: int, dp: int) -> str:
+def _bytes_legend(dtype: str, zero: int, dp: int, cp: int = 1) -> str:
     bf16 = dtype == "bf16"
-    shard = f" / dp {dp}"
+    shard = f" / dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
     return (f"weights {2 if bf16 else 4} B/param ({dtype}), grads 4 B (fp32){shard if zero >= 2 else ''}, "
             f"optimizer {'8 B Adam + 4 B fp32 master' if bf16 else '8 B Adam'}{shard if zero >= 1 else ''} "
             f"(zero {zero})")
@@ -220,7 +221,15 @@ def _print_split(cfg: JobConfig, split: list[int], out) -> None:
                           for lo, hi in (bounds[c] for c in chunks))
         ranks = grid.group_ranks("dp", grid.rank_of(0, r, 0))
         extra = (" + embedding" if 0 in chunks else "") + (" + head" if chunks_total - 1 in chunks else "")
-        out(f"  stage {r} (ranks {ranks[0]}..{ranks[-1] + par.tp - 1}): {spans}{extra}")
+        out(f"  stage {r} (ranks {ranks[0]}..{ranks[-1] + par.tp * par.cp - 1}): {spans}{extra}")
+
+
+def param_count(n: int) -> str:
+    """8.030B, 124.439M, 202.5K: a small model is not "0.000B"."""
+    for unit, size, digits in (("B", 1e9, 3), ("M", 1e6, 3), ("K", 1e3, 1)):
+        if n >= size:
+            return f"{n / size:.{digits}f}{unit}"
+    return str(n)
 
 
 def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) -> dict:
@@ -241,17 +250,20 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
 
     nodes = cfg.launch.nnodes
     out(f"dry run: {world_size} ranks ({nodes} node{'s' if nodes > 1 else ''} x {world_size // nodes}), "
-        f"model {n_params / 1e9:.3f}B parameters (built on the meta device, nothing allocated)")
-    out(f"layout: tp {par.tp} x pp {par.pp} x dp {par.dp}; schedule {par.schedule}"
+        f"model {param_count(n_params)} parameters (built on the meta device, nothing allocated)")
+    cp = f" x cp {par.cp} ({layout.cp_mode(model_cfg)})" if par.cp > 1 else ""
+    out(f"layout: tp {par.tp}{cp} x pp {par.pp} x dp {par.dp}; schedule {par.schedule}"
         f"{f' x{par.virtual_stages} virtual stages' if par.virtual_stages > 1 else ''}; zero {par.zero}; "
         f"recompute {train.recompute}; sequence parallel {'on' if par.sequence_parallel else 'off'}")
     out(f"batch: {train.global_batch} sequences of {train.seq_len} tokens per step = "
-        f"{layout.n_micro(work)} micro-batches of {train.micro_batch} per dp rank; precision {work.dtype}")
+        f"{layout.n_micro(work)} micro-batches of {train.micro_batch} per dp rank; precision {work.dtype}"
+        + (f"; {train.seq_len // par.cp} tokens of each sequence per cp rank (2 head-tail chunks)"
+           if par.cp > 1 else ""))
     _print_split(cfg, split, out)
     reports = stage_reports(cfg, model_cfg, world_size, planned, dtype)
     unit, table = stage_table(reports, par.pp, gpu)
     out(f"memory per rank ({unit}): parameters held by the rank's modules (built on the meta device at tp "
-        f"rank 0; vocabulary padding and replicated norms included), {_bytes_legend(dtype, par.zero, par.dp)}; "
+        f"rank 0; vocabulary padding and replicated norms included), {_bytes_legend(dtype, par.zero, par.dp, par.cp)}; "
         "activations and buffers from the planner:")
     for line in table:
         out(line)
