@@ -132,13 +132,19 @@ def ce_local_stats(z: torch.Tensor, target: torch.Tensor, n_valid: int, backend:
 
 
 def ce_local_grad(z: torch.Tensor, target: torch.Tensor, n_valid: int, m: torch.Tensor,
-                  s: torch.Tensor, scale: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+                  s: torch.Tensor, scale: torch.Tensor, backend: str = "auto",
+                  inplace: bool = False) -> torch.Tensor:
     """(N, v) in z's dtype: ``(exp(z - m) / s - onehot(target)) * scale`` per row on the
-    first ``n_valid`` columns, 0 on the rest. m, s, scale: (N,)."""
+    first ``n_valid`` columns, 0 on the rest. m, s, scale: (N,). ``inplace``: written over
+    ``z`` itself (each block of a row is read before it is written), so the loss's backward
+    allocates no (N, v) buffer: the logits are not read again once their gradient exists."""
     _check(z, target, n_valid)
     if not _use_triton(z, backend):
-        return ce_local_grad_ref(z, target, n_valid, m, s, scale)
+        return ce_local_grad_ref(z, target, n_valid, m, s, scale, out=z if inplace else None)
     scale = scale.expand(z.shape[0]).contiguous()  # the expanded grad of a mean
+    if inplace:
+        torch.ops.parallel3d.ce_local_grad_into(z, z, target, n_valid, m, s, scale)
+        return z
     return torch.ops.parallel3d.ce_local_grad(z, target, n_valid, m, s, scale)
 
 
@@ -162,6 +168,16 @@ def _grad_op(z: torch.Tensor, target: torch.Tensor, n_valid: int, m: torch.Tenso
     return g
 
 
+@torch.library.custom_op("parallel3d::ce_local_grad_into", mutates_args=("g",))
+def _grad_into_op(z: torch.Tensor, g: torch.Tensor, target: torch.Tensor, n_valid: int, m: torch.Tensor,
+                  s: torch.Tensor, scale: torch.Tensor) -> None:
+    """:func:`_grad_op` into ``g``, which may be ``z`` (each program reads a block of its row
+    before writing that block)."""
+    if z.shape[0] and z.shape[1]:
+        _grad_kernel[(z.shape[0],)](z, g, target, m, s, scale, n_valid, z.shape[1], z.stride(0),
+                                    g.stride(0), BLOCK_V=_block(z.shape[1]))
+
+
 @_stats_op.register_fake
 def _(z, target, n_valid):
     return tuple(z.new_empty(z.shape[0], dtype=torch.float32) for _ in range(3))
@@ -173,28 +189,44 @@ def _(z, target, n_valid, m, s, scale):
 
 
 # ---------------------------------------------------------------------- torch reference
+# The reference works on runs of rows whose fp32 copy is at most this size, so that no
+# temporary of the logits' size exists (the fused kernels hold one row block at a time):
+# the loss adds O(rows) to what the logits themselves take, whatever the vocabulary.
+REF_BLOCK_BYTES = 8 * 2**20
+
+
+def _row_blocks(z: torch.Tensor, n_valid: int):
+    rows = max(1, REF_BLOCK_BYTES // (4 * max(n_valid, 1)))
+    return [slice(i, min(i + rows, z.shape[0])) for i in range(0, z.shape[0], rows)]
+
+
 def ce_local_stats_ref(z: torch.Tensor, target: torch.Tensor, n_valid: int):
     n = z.shape[0]
-    zv = z[:, :n_valid].float()  # (N, n_valid); a view when z is fp32
     if n_valid == 0:
         m = torch.full((n,), float("-inf"), device=z.device)
         return m, torch.zeros(n, device=z.device), torch.zeros(n, device=z.device)
-    m = zv.max(dim=-1).values
-    s = (zv - m.unsqueeze(1)).exp_().sum(dim=-1)  # one (N, n_valid) temporary, as few as torch allows
+    m, s, zt = (torch.empty(n, dtype=torch.float32, device=z.device) for _ in range(3))
+    for rows in _row_blocks(z, n_valid):
+        zv = z[rows, :n_valid].float()  # (rows, n_valid); a view when z is fp32
+        m[rows] = zv.max(dim=-1).values
+        s[rows] = (zv - m[rows].unsqueeze(1)).exp_().sum(dim=-1)
+        zt[rows] = zv.gather(1, target[rows].clamp(0, n_valid - 1).unsqueeze(1)).squeeze(1)
     mine = (target >= 0) & (target < n_valid)
-    zt = zv.gather(1, target.clamp(0, n_valid - 1).unsqueeze(1)).squeeze(1)
     return m, s, zt.masked_fill(~mine, 0.0)
 
 
-def ce_local_grad_ref(z, target, n_valid, m, s, scale):
-    # Computed in place in g, so that (in fp32) the only (N, v) buffer is the gradient
-    # itself, as in the fused kernel: the planner's memory model counts exactly that.
-    g = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
-    if n_valid:
-        p = g[:, :n_valid]  # a view: every step below writes into g
-        torch.sub(z[:, :n_valid].float(), m.unsqueeze(1), out=p)
-        p.exp_().div_(s.unsqueeze(1))
-        mine = (target >= 0) & (target < n_valid)
-        p.scatter_add_(1, target.clamp(0, n_valid - 1).unsqueeze(1), -mine.float().unsqueeze(1))
-        p.mul_(scale.float().reshape(-1, 1))
-    return g.to(z.dtype)
+def ce_local_grad_ref(z, target, n_valid, m, s, scale, out=None):
+    """Row block by row block in fp32, each rounded to z's dtype once into ``out`` (a new
+    tensor, or z itself: a block is read before it is written)."""
+    out = torch.empty_like(z) if out is None else out
+    out[:, n_valid:] = 0
+    scale = scale.float().expand(z.shape[0])
+    for rows in _row_blocks(z, n_valid) if n_valid else []:
+        p = z[rows, :n_valid].to(torch.float32, copy=True).sub_(m[rows].unsqueeze(1))
+        p.exp_().div_(s[rows].unsqueeze(1))
+        t = target[rows]
+        mine = (t >= 0) & (t < n_valid)
+        p.scatter_add_(1, t.clamp(0, n_valid - 1).unsqueeze(1), -mine.float().unsqueeze(1))
+        p.mul_(scale[rows].reshape(-1, 1))
+        out[rows, :n_valid] = p
+    return out

@@ -121,6 +121,24 @@ def test_triton_rows_with_zero_scale_read_nothing_and_are_zero(dtype):
     assert _rel(got[keep], ce_local_grad_ref(z, t, 53, m, s, c)[keep]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=needs_triton), "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gradient_written_over_the_logits_equals_a_new_one(backend, dtype, monkeypatch):
+    """``inplace``: the gradient takes the logits' storage and has the same bits as the one
+    written to a new tensor (each block of a row is read before it is written). The
+    reference runs here in row blocks of 5 rows (its block size shrunk), so the blocks'
+    seams are crossed too."""
+    monkeypatch.setattr(K, "REF_BLOCK_BYTES", 5 * 4 * 53)
+    z, t = _inputs(37, 53, 50, dtype)
+    m, s, _ = ce_local_stats(z, t, 50, backend=backend)
+    assert torch.equal(torch.stack(ce_local_stats_ref(z, t, 50)[:2]), torch.stack([m, s])) or backend != "torch"
+    c = torch.rand(37, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    new = ce_local_grad(z, t, 50, m, s, c, backend=backend)
+    logits = z.clone()
+    got = ce_local_grad(logits, t, 50, m, s, c, backend=backend, inplace=True)
+    assert got.data_ptr() == logits.data_ptr() and torch.equal(got, new)
+
+
 def test_triton_tests_in_interpreter_subprocess():
     if ON_GPU or K._INTERPRETED:
         pytest.skip("the Triton tests ran in this process")

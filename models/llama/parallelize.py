@@ -79,17 +79,18 @@ def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor,
 class VocabParallelLoss:
     """:func:`cross_entropy_loss` from logits split by vocabulary, (B, S, Vp/tp) on each
     tp rank (the same value on every tp rank; targets equal to :data:`IGNORE_INDEX` add
-    nothing and get no gradient)."""
+    nothing and get no gradient); tp 1 is one rank holding every column. ``inplace``:
+    the backward overwrites the logits with their gradient (training's loss)."""
 
-    def __init__(self, vocab_size: int, tp_rank: int, tp: int, group):
-        self.vocab_size, self.group = vocab_size, group
+    def __init__(self, vocab_size: int, tp_rank: int, tp: int, group, inplace: bool = False):
+        self.vocab_size, self.group, self.inplace = vocab_size, group, inplace
         self.vocab_start = tp_rank * (padded_size(vocab_size, tp) // tp)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor,
                  divisor: float | None = None) -> torch.Tensor:
         loss = vocab_parallel_cross_entropy(logits, targets, vocab_start=self.vocab_start,
                                             vocab_size=self.vocab_size, group=self.group,
-                                            ignore_index=IGNORE_INDEX)
+                                            ignore_index=IGNORE_INDEX, inplace=self.inplace)
         if divisor is not None:
             return loss.sum() / divisor
         return loss.sum() / (targets != IGNORE_INDEX).sum()
@@ -235,9 +236,11 @@ def parallelize_llama(model: Llama, topo, parallel_cfg) -> tuple[nn.Module, call
     if topo.pp > 1:
         mark_tied_embeddings(chunks)
         model = PipelineStage(chunks)
-    if topo.tp == 1:
-        return model, cross_entropy_loss
-    return model, VocabParallelLoss(chunks[0].cfg.vocab_size, topo.tp_rank, topo.tp, topo.tp_group)
+    # At any tp (tp 1 included: no fp32 copy of the logits, no log-softmax, the gradient
+    # written over the logits) the vocab-parallel loss: the logits are the loss's only
+    # buffer of their size.
+    return model, VocabParallelLoss(chunks[0].cfg.vocab_size, topo.tp_rank, topo.tp, topo.tp_group,
+                                    inplace=True)
 
 
 # -- pipeline stages -----------------------------------------------------------------------

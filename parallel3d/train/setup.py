@@ -43,9 +43,11 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     check_observability(cfg.observability)
     check_memory_options(cfg)
     check_context_parallel(par, train.seq_len)
-    if par.sequence_parallel and train.seq_len % par.tp:
-        raise UserError(f"train.seq_len {train.seq_len} is not divisible by parallel.tp {par.tp}, "
-                        "which parallel.sequence_parallel needs: change one or turn it off")
+    if par.sequence_parallel and (train.seq_len // par.cp) % par.tp:
+        tokens = (f"train.seq_len {train.seq_len}" if par.cp == 1 else
+                  f"train.seq_len {train.seq_len} / parallel.cp {par.cp} = {train.seq_len // par.cp} tokens a rank")
+        raise UserError(f"{tokens} is not divisible by parallel.tp {par.tp}, which "
+                        "parallel.sequence_parallel needs: change one or turn it off")
     if model.n_layers < par.pp:
         raise UserError(f"model.n_layers {model.n_layers} is fewer than parallel.pp {par.pp}: "
                         "every pipeline stage needs at least one layer")
@@ -166,15 +168,10 @@ def check_new_axes(par) -> None:
 
 
 def check_context_parallel(par, seq_len: int) -> None:
-    """Each sequence cuts into 2 cp equal chunks (head-tail), and under sequence
-    parallelism a rank's S / cp tokens split over tp."""
+    """Each sequence cuts into 2 cp equal chunks (head-tail)."""
     if seq_len % (2 * par.cp):
         raise UserError(f"train.seq_len {seq_len} does not split into 2 x parallel.cp = {2 * par.cp} equal "
                         f"chunks: use a multiple of {2 * par.cp}, or change parallel.cp")
-    if par.sequence_parallel and (seq_len // par.cp) % par.tp:
-        raise UserError(f"train.seq_len {seq_len} / parallel.cp {par.cp} = {seq_len // par.cp} tokens a rank is "
-                        f"not divisible by parallel.tp {par.tp}, which parallel.sequence_parallel needs: "
-                        "change one or turn it off")
 
 
 def job_world_size(cfg: JobConfig) -> int:
