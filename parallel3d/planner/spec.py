@@ -103,7 +103,8 @@ class Layout:
         return cls(tp=par.tp, pp=par.pp, dp=par.dp, micro_batch=cfg.train.micro_batch,
                    schedule=par.schedule, virtual_stages=par.virtual_stages, zero=par.zero,
                    recompute=cfg.train.recompute, sequence_parallel=par.sequence_parallel,
-                   cp=par.cp, ep=par.ep, cp_comm=par.cp_comm)
+                   cp=par.cp, ep=par.ep,
+                   cp_comm=par.cp_comm if par.cp > 1 else "auto")  # no comm at cp 1: one layout
 
 
 def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None,
