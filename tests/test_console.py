@@ -65,7 +65,8 @@ def test_train_on_a_terminal_shows_banner_build_line_val_loss_and_summary(tmp_pa
     # the bar: one segment per step, each starting at the line's start, nothing after it
     segments = [s for line in lines for s in line.split("\r") if s.strip()]
     bar = [s for s in segments if re.search(r"step \d+/6 \[", s)]
-    fields = r"step \d+/6 \[[#.]{20}\]  loss [\d.]+(  val_loss [\d.]+)?  [\d,]+ tok/s(  mem [\d.]+ GiB)?(  ETA \w+)? *"
+    fields = (r"step \d+/6 \[[#.]{20}\]  loss [\d.]+(  val_loss [\d.]+ \(step \d+\))?  [\d,]+ tok/s"
+              r"(  peak (rss|alloc|mem) [\d.]+ GiB \(max rank\))?(  ETA \w+)? *")
     assert len(bar) >= 6 and all(re.fullmatch(fields, s) for s in bar), bar
     others = [s for s in segments if s not in bar]
     assert all("tok/s" not in s or s.startswith("step ") for s in others), others  # no bar text in a line

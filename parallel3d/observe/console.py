@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 from parallel3d.observe.progress import duration
+from parallel3d.observe.report import steady_records
 from parallel3d.pipeline.partition import rank_chunks
 
 
@@ -120,9 +121,10 @@ def summary(records: list[dict], tokens_per_step: int, wall_s: float, outputs_fo
     trained = sum(r["step_time_s"] for r in records)
     steps = [r["step"] for r in records]
     rate = tokens_per_step * len(records) / trained if trained > 0 else 0.0
+    median = statistics.median(r["step_time_s"] for r in steady_records(records))  # as the report's
     lines = [f"done: steps {steps[0]}-{steps[-1]} in {duration(wall_s)} ({duration(trained)} in the steps, "
              f"the rest start-up, data and evaluation); {rate:,.0f} tokens/s, median step "
-             f"{statistics.median(r['step_time_s'] for r in records) * 1e3:.0f} ms"]
+             f"{median * 1e3:.1f} ms"]
     loss = f"loss {records[0]['loss']:.4f} at step {steps[0]} -> {records[-1]['loss']:.4f} at step {steps[-1]}"
     evals = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if evals:

@@ -53,8 +53,13 @@ class _AboveTheBar:
         return getattr(self._stream, name)
 
 
+MEMORY_LABELS = {"cuda_max_allocated": "peak alloc", "cpu_max_rss": "peak rss"}
+
+
 class ProgressBar:
-    """``step 12/100 [####......] loss 5.123  val_loss 5.301  12,345 tok/s  MFU 41.2%  mem 3.2 GiB  ETA 1m23s``.
+    """``step 12/100 [####......] loss 5.123  val_loss 5.301 (step 10)  12,345 tok/s  MFU 41.2%
+    peak alloc 3.20 GiB (max rank)  ETA 1m23s``: "peak alloc" is the CUDA caching allocator's
+    peak, "peak rss" the process's resident set on CPU, of the rank with the most.
 
     The ETA is the median wall time between recent updates times the steps left (wall
     time, so it includes what happens between steps, which step_time_s does not). The
@@ -72,6 +77,8 @@ class ProgressBar:
         self.line_open = False  # something else left the cursor mid-line
         self.memory: int | None = None  # peak memory of the latest complete record
         self.val_loss: float | None = None
+        self.val_step: int | None = None  # the step of that evaluation
+        self.memory_label = "peak mem"
         self._held = None
         if hold_streams if hold_streams is not None else stream is None:
             self._held = (sys.stdout, sys.stderr)
@@ -81,20 +88,28 @@ class ProgressBar:
         step = record["step"]
         done = int(self.width * step / self.total)
         if "val_loss" in record:
-            self.val_loss = record["val_loss"]
+            self.val_loss, self.val_step = record["val_loss"], step
         parts = [f"step {step}/{self.total} [{'#' * done}{'.' * (self.width - done)}]",
                  f"loss {record['loss']:.4f}"]
-        if self.val_loss is not None:
-            parts.append(f"val_loss {self.val_loss:.4f}")
+        if self.val_loss is not None:  # the latest evaluation's, and its step
+            parts.append(f"val_loss {self.val_loss:.4f} (step {self.val_step})")
         parts.append(f"{record['tokens_per_s']:,.0f} tok/s")
         if "mfu" in record:
             parts.append(f"MFU {record['mfu'] * 100:.1f}%")
-        mem = record.get("peak_mem_bytes", self.memory)
-        if mem is not None:
-            parts.append(f"mem {mem / GiB:.2f} GiB")
+        if "peak_mem_bytes" in record:
+            self.complete(record)
+        if self.memory is not None:  # the highest rank's peak: CUDA allocator's, or the process's resident set
+            parts.append(f"{self.memory_label} {self.memory / GiB:.2f} GiB (max rank)")
         if self._gaps:
             parts.append(f"ETA {duration(statistics.median(self._gaps) * (self.total - step))}")
         return "  ".join(parts)
+
+    def complete(self, record: dict) -> None:
+        """Take a complete record's peak memory (the step's own record carries it one step
+        later, once every rank's figures are in) and what it measures."""
+        self.memory = record.get("peak_mem_bytes", self.memory)
+        if "mem_source" in record:
+            self.memory_label = MEMORY_LABELS.get(record["mem_source"], "peak mem")
 
     def update(self, record: dict) -> None:
         now = time.perf_counter()

@@ -105,12 +105,24 @@ def autopilot_lines(events: list[dict]) -> list[str]:
     return out
 
 
+# A rank is named the slowest only when its median busy time exceeds the fastest's by this
+# share: below it, which rank is "slowest" is noise (0.3 ms in 40 ms).
+SLOWEST_GAP = 0.05
+
+
+def steady_records(records: list[dict]) -> list[dict]:
+    """The records medians are taken over: the first step of a run (or of a resumed one)
+    includes one-off work (allocations, first collectives) and is left out, unless it is
+    the only one. The console's summary and the report share it, so their median step is
+    one number."""
+    return records[1:] or records
+
+
 def summary(records: list[dict], events: list[dict] = ()) -> str:
     """A few lines: steps, final loss, held-out loss, median throughput and step time, the
     median breakdown's shares, the slowest rank, and the autopilot's decisions."""
     last = records[-1]
-    # Step 1 includes one-off work (allocations, first collectives): medians leave it out.
-    steady = records[1:] or records
+    steady = steady_records(records)
     med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
     step = med("step_time_s")
     lines = [f"steps {last['step']}  final loss {last['loss']:.4f}  median {med('tokens_per_s'):,.0f} tok/s  "
@@ -119,7 +131,7 @@ def summary(records: list[dict], events: list[dict] = ()) -> str:
     if evals:
         best = min(evals, key=lambda e: e[1])
         lines.append(f"held-out loss {evals[-1][1]:.4f} at step {evals[-1][0]} (best {best[1]:.4f} at step "
-                     f"{best[0]}, {len(evals)} evaluations)")
+                     f"{best[0]}, {len(evals)} evaluation{'s' if len(evals) != 1 else ''})")
     if "mfu" in last:
         lines.append(f"median MFU {med('mfu') * 100:.1f}%  ({med('tflops_per_device'):.1f} TFLOP/s per device)")
     elif "tflops_per_device" in last:
@@ -129,11 +141,16 @@ def summary(records: list[dict], events: list[dict] = ()) -> str:
         lines.append("breakdown (median, share): " + ", ".join(
             f"{_LABELS[k]} {med(k) / total * 100:.0f}%" for k in BREAKDOWN))
     if "max_busy_s" in last:
-        slow = statistics.mode(r["max_busy_rank"]["rank"] for r in steady)
-        c = next(r["max_busy_rank"] for r in steady if r["max_busy_rank"]["rank"] == slow)
-        lines.append(f"slowest rank {slow} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}), most often: "
-                     f"median busy of the slowest rank {med('max_busy_s') * 1e3:.1f} ms, of the "
-                     f"fastest {med('min_busy_s') * 1e3:.1f} ms")
+        most, least = med("max_busy_s"), med("min_busy_s")
+        if most > least * (1 + SLOWEST_GAP):
+            slow = statistics.mode(r["max_busy_rank"]["rank"] for r in steady)
+            c = next(r["max_busy_rank"] for r in steady if r["max_busy_rank"]["rank"] == slow)
+            lines.append(f"slowest rank {slow} (tp {c['tp']}, pp {c['pp']}, dp {c['dp']}), most often: "
+                         f"median busy of the slowest rank {most * 1e3:.1f} ms, of the "
+                         f"fastest {least * 1e3:.1f} ms")
+        else:
+            lines.append(f"ranks evenly busy: median busy {least * 1e3:.1f}-{most * 1e3:.1f} ms "
+                         f"(within {SLOWEST_GAP:.0%})")
     flagged = sorted({s["rank"] for r in records for s in r.get("stragglers", [])})
     if flagged:
         lines.append(f"stragglers flagged: ranks {', '.join(map(str, flagged))}")

@@ -393,6 +393,6 @@ class Trainer:
             self.metrics.log(record)
             self.sinks.log(record)
             if bar is not None:
-                bar.memory = record.get("peak_mem_bytes", bar.memory)
+                bar.complete(record)  # its memory, for the next lines
             for s in record.get("stragglers", []):  # printed above the bar (it holds the streams)
                 print(straggler_warning(s, self.cfg.observability.straggler_factor), file=sys.stderr, flush=True)
