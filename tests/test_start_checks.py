@@ -261,3 +261,15 @@ def test_the_banner_and_the_summary_say_when_data_repeats(setup, tmp_path):
     done = _summary(cfg, model, 1.0)[0]
     assert done.startswith("done: ") and done.endswith(f"; {epochs:.1f} passes over the training split "
                                                        "(data repeated)"), done
+
+
+def test_the_finetune_recipe_says_which_sizes_a_model_or_dataset_may_need_changed(setup, tmp_path):
+    """Issue 37 point 4: its seq_len 4096 is refused for a shorter-context model, and its
+    header says so with the override the error gives (here for the 64-token test model)."""
+    header = Path(RECIPE).read_text().split("[model]")[0]
+    assert "Qwen3" in header and "nothing else needs to change" not in header
+    assert "for\n# a 2048-context model add --train.seq_len=2048" in header
+    argv = [a for a in _base(setup, tmp_path) if not a.startswith("--train.seq_len")]
+    message = _message(argv)  # the recipe's own seq_len 4096
+    assert message.endswith(f"set --train.seq_len={CONTEXT}"), message
+    _checks(argv + [f"--train.seq_len={CONTEXT}"])
