@@ -290,4 +290,6 @@ def layout3d(smoke: bool, work: Path, emit, budget_s: float = 100.0) -> None:
         pool.close()
 
 
-SECTIONS = {"kernels": kernels, "linear": linear, "train": train, "layout3d": layout3d}
+from _acceptance_cp import context_parallel  # noqa: E402 - the cp section, a file of its own
+
+SECTIONS = {"kernels": kernels, "linear": linear, "train": train, "layout3d": layout3d, "cp": context_parallel}

@@ -1,6 +1,6 @@
-"""The GPU path in one command: kernels, GEMMs against cuBLAS, 1B training, 2x2x2 on one GPU.
+"""The GPU path in one command: kernels, GEMMs against cuBLAS, 1B training, 2x2x2 on one GPU, cp.
 
-    python benchmarks/gpu_acceptance.py [--out benchmarks/gpu_acceptance.md]    # one GPU, < 8 min
+    python benchmarks/gpu_acceptance.py [--out benchmarks/gpu_acceptance.md]    # one GPU, < 9 min
     python benchmarks/gpu_acceptance.py --smoke [--out FILE]                    # CPU, what CI runs
 
 Sections (each in a process of its own, with its own time budget; a section that fails,
@@ -17,6 +17,10 @@ crashes or runs out of time is reported in the table and the next one runs):
               cuda:0, pipeline messages staged through pinned host buffers, Triton GEMMs
               forced) against 1x1x1: fp32 losses step by step, with 1F1B and with zb-v (B and
               W split: the Triton dgrad and the deferred wgrad)
+    cp        context parallelism at cp 2, ring and all-gather, against full-sequence SDPA in
+              float64 and beside torch's bf16 SDPA kernel, forward and backward, bf16: both cp
+              ranks computed in one process by the modes' own block code (one GPU hosts no two
+              NCCL ranks, and gloo's send/recv read host memory only): _acceptance_cp.py
 
 The figures go to stdout and, as markdown, to ``--out``. ``--smoke`` runs every section's
 code on CPU with tiny shapes (the kernels under TRITON_INTERPRET=1, 8 gloo processes of the
@@ -40,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 # name: (title, budget on one H200 in s, budget of --smoke in s, kernels inside: interpreter on CPU).
 # The H200 budgets assume a cold Triton cache: benchmarks/README.md estimates each section
 # (its Triton specialisations counted, ~2 s a compile, CUDA initialisation per process) and
-# they add to 480 s.
+# they add to 525 s.
 SECTIONS = {
     "kernels": ("Kernel tests (one pytest process; bf16 and fp16 are the gpu-marked cases)", 215, 90, True),
     "linear": ("Triton linear: tails, bias, main_grad vs float64; vs cuBLAS on the 8B / 70B shards, "
@@ -48,6 +52,8 @@ SECTIONS = {
     "train": ("1B preset, bf16: parallel3d Trainer vs a plain PyTorch loop", 115, 90, False),
     "layout3d": ("tp 2 x pp 2 x dp 2 on one device (8 processes, gloo) vs 1x1x1, fp32, 1F1B and zb-v",
                  80, 180, False),
+    "cp": ("Context parallelism at cp 2, ring and all-gather (both ranks in one process) vs full SDPA, "
+           "forward and backward, bf16", 45, 90, False),
 }
 
 

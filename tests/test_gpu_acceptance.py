@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
-SECTIONS = ("kernels", "linear", "train", "layout3d")
+SECTIONS = ("kernels", "linear", "train", "layout3d", "cp")
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -37,7 +37,7 @@ def test_smoke_mode_runs_every_section(tmp_path, corpus_dir):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     text = out.read_text()
     assert _status(text) == {name: "ok" for name in SECTIONS}, text
-    for heading in ("## kernels", "## linear", "## train", "## layout3d"):
+    for heading in ("## kernels", "## linear", "## train", "## layout3d", "## cp"):
         assert heading in text
     layout = text.split("## layout3d", 1)[1]
     for schedule in ("1f1b", "zb-v"):  # the zero-bubble path too: B and W split, two chunks a rank
@@ -144,3 +144,23 @@ def test_the_linear_check_catches_a_main_grad_that_is_overwritten_not_accumulate
     bad = types.SimpleNamespace(**{**vars(good), "linear_grad_weight": overwriting})
     errs = sections.linear_errors(bad, 37, 53, 71, True, True, torch.float32, "cpu")
     assert errs["main_grad"] > 0.1 and errs["Y"] < 2e-5, errs
+
+
+def test_the_cp_section_passes_and_catches_a_missing_block(tmp_path, monkeypatch):
+    """The cp section in this process (CPU, bf16, S = 64: ~1 s): both modes within the
+    bf16 tolerance of float64 SDPA; a ring whose rank skips one block of a later step
+    (the K/V received from the other rank) is caught, by an O(1) error."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _acceptance_cp as cp_section
+    from parallel3d.context_parallel import blocks
+
+    rows = []
+    cp_section.context_parallel(True, tmp_path, rows.append)
+    assert [r["check"] for r in rows] == ["ok (reference for the tolerance)", "ok", "ok"], rows
+    assert "ring" in rows[2]["side"] and "all-gather" in rows[1]["side"]
+
+    plan = blocks.ring_plan
+    monkeypatch.setattr(blocks, "ring_plan", lambda cp, r: [s[:-1] if t else s for t, s in enumerate(plan(cp, r))])
+    rows = []
+    cp_section.context_parallel(True, tmp_path, rows.append)
+    assert rows[1]["check"] == "ok" and rows[2]["check"].startswith("FAIL"), rows

@@ -1,0 +1,299 @@
+"""Context parallelism on CPU against DeepSpeed's Ulysses sequence parallelism: the
+attention (forward + backward) and the whole training step at cp 2 / sp 2, and cp 2's
+step against cp 1's (issue 32, acceptance 5).
+
+    python benchmarks/bench_cp_speed.py [--seq-len 4096] [--rounds 5]
+    python benchmarks/bench_cp_speed.py --smoke          # tiny, seconds: the code path
+
+Two gloo ranks (one thread each) of one pool; every round runs each side once, the
+order rotating from round to round (the machine is shared: a side never always follows
+the same one); a side's time is the slower rank's (the job waits for it), its figure the
+median over rounds. What each side runs:
+
+- attention: q (1, H, S/2, D) and k, v (1, Hkv, S/2, D) per rank, fp32, forward and
+  backward of the whole sequence's causal attention from the local queries.
+  ``cp 2 allgather`` / ``cp 2 ring``: ``context_parallel_attention`` on this rank's
+  head-tail chunks. ``ulysses``: ``deepspeed.sequence.layer.DistributedAttention(local,
+  group, scatter_idx=2, gather_idx=0)`` on this rank's contiguous half, sequence-first
+  (S/2, 1, H, D); ``local`` is causal SDPA on the H/2 heads of the whole sequence.
+  ``cp 1``: rank 0 alone, SDPA over the whole sequence (rank 1 waits), once with one
+  thread and once with two.
+- step: one hand-written training step of the same Llama (parallel3d's model: embedding,
+  2 decoder layers, lm head; the same initial weights on every side), the same tokens:
+  forward of this rank's tokens, cross-entropy summed over them / S, backward, one
+  all-reduce (sum) of all gradients flattened, AdamW. The sides differ only in
+  ``Llama.attention_fn`` and in which tokens a rank holds: cp 2 (``apply_context_parallel``,
+  head-tail tokens with their global positions), Ulysses (the DistributedAttention
+  above as the attention, contiguous tokens with their global positions), cp 1 (rank 0,
+  the whole sequence, plain SDPA; no all-reduce). Every side's first loss is checked
+  against cp 1's (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+MODEL = {"vocab_size": 512, "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 688}
+ATTN_SIDES = ("cp 1 (1 thread)", "cp 1 (2 threads)", "cp 2 allgather", "cp 2 ring", "ulysses")
+STEP_SIDES = ("cp 1 (1 thread)", "cp 1 (2 threads)", "cp 2 allgather", "cp 2 ring", "ulysses")
+
+
+def _local_sdpa(q, k, v, *args, **kwargs):
+    """Ulysses' local attention: (S, B, h, D) sequence-first -> causal SDPA -> (S, B, h, D)."""
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    return out.permute(2, 0, 1, 3)
+
+
+class UlyssesAttention:
+    """``Llama.attention_fn`` through DeepSpeed's DistributedAttention: q (B, H, S/sp, D),
+    k / v (B, Hkv, S/sp, D) of this rank's contiguous tokens -> (B, H, S/sp, D). The
+    positions are not read: contiguous shards of one unpacked sequence."""
+
+    def __init__(self, group):
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts torch's group (already initialised)
+        self.attn = DistributedAttention(_local_sdpa, group, scatter_idx=2, gather_idx=0)
+
+    def __call__(self, q, k, v, positions=None):
+        q, k, v = (x.permute(2, 0, 1, 3) for x in (q, k, v))  # (S/sp, B, h, D)
+        return self.attn(q, k, v, 1).permute(1, 2, 0, 3)
+
+
+def _contiguous(x: torch.Tensor, sp: int, rank: int, dim: int) -> torch.Tensor:
+    n = x.shape[dim] // sp
+    return x.narrow(dim, rank * n, n).contiguous()
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    seconds = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds)
+
+
+def _threads(side: str) -> int:
+    return 2 if side == "cp 1 (2 threads)" else 1
+
+
+# -- attention ---------------------------------------------------------------------------------
+
+def _attention_inputs(seq: int, heads: int, kv_heads: int, head_dim: int):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, h, seq, head_dim, generator=g) for h in (heads, kv_heads, kv_heads, heads)]
+
+
+def _attention_call(side: str, q, k, v, d_out):
+    """(fn() running forward + backward, or None where this rank sits out)."""
+    from parallel3d.context_parallel import context_parallel_attention, shard_sequence
+
+    r = dist.get_rank()
+    if side.startswith("cp 1"):
+        if r:
+            return None
+        fn, xs, d = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                     (q, k, v), d_out)
+    elif side == "ulysses":
+        att = UlyssesAttention(dist.group.WORLD)
+        fn, xs, d = att, [_contiguous(x, 2, r, 2) for x in (q, k, v)], _contiguous(d_out, 2, r, 2)
+    else:
+        comm = side.split()[-1]
+        fn = lambda q, k, v: context_parallel_attention(q, k, v, dist.group.WORLD, comm=comm)  # noqa: E731
+        xs, d = [shard_sequence(x, 2, r, dim=2) for x in (q, k, v)], shard_sequence(d_out, 2, r, dim=2)
+
+    def run():
+        leaves = [x.detach().requires_grad_() for x in xs]
+        fn(*leaves).backward(d)
+    return run
+
+
+def attention_round(seq: int, shape: tuple, order: list[str]) -> dict[str, float]:
+    q, k, v, d_out = _attention_inputs(seq, *shape)
+    out = {}
+    for side in order:
+        torch.set_num_threads(_threads(side))
+        run = _attention_call(side, q, k, v, d_out)
+        out[side] = _timed(run or (lambda: None))
+    torch.set_num_threads(1)
+    return out
+
+
+# -- the whole step ----------------------------------------------------------------------------
+
+def _build(side: str, model_kw: dict, seq: int):
+    """This rank's model, optimizer and (inputs, labels, positions), or None (sits out)."""
+    from parallel3d.models.llama import Llama, LlamaConfig
+    from parallel3d.models.llama.parallelize import apply_context_parallel
+    from parallel3d.context_parallel import shard_positions, shard_sequence
+
+    r = dist.get_rank()
+    if side.startswith("cp 1") and r:
+        return None
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**model_kw, max_seq_len=max(seq, 8192)))
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model_kw["vocab_size"], (1, seq + 1), generator=g)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    positions = None
+    if side == "ulysses":
+        model.attention_fn = UlyssesAttention(dist.group.WORLD)
+        model.sequence_shards = 2
+        x, y = _contiguous(x, 2, r, 1), _contiguous(y, 2, r, 1)
+        positions = _contiguous(torch.arange(seq), 2, r, 0).unsqueeze(0)
+    elif side.startswith("cp 2"):
+        apply_context_parallel(model, dist.group.WORLD, side.split()[-1])
+        x, y = shard_sequence(x, 2, r, dim=1), shard_sequence(y, 2, r, dim=1)
+        positions = shard_positions(seq, 2, r).unsqueeze(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, opt, (x, y, positions, seq, not side.startswith("cp 1"))
+
+
+def _step(model, opt, batch) -> float:
+    x, y, positions, seq, reduce = batch
+    logits = model(x, positions)  # (1, S_local, vocab)
+    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / seq
+    loss.backward()
+    total = loss.detach().clone()
+    if reduce:
+        grads = [p.grad for p in model.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat)
+        torch._foreach_copy_(grads, [t.view_as(g) for t, g in zip(flat.split([g.numel() for g in grads]), grads)])
+        dist.all_reduce(total)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return float(total)
+
+
+_BUILT: dict = {}
+
+
+def step_round(seq: int, model_kw: dict, order: list[str]) -> dict[str, tuple[float, float]]:
+    """(seconds, the step's loss) per side; the first call of a side builds it and runs a
+    warm-up step (its loss the one reported: the same initial weights on every side)."""
+    out = {}
+    for side in order:
+        torch.set_num_threads(_threads(side))
+        key = (side, seq)
+        if key not in _BUILT:
+            built = _build(side, model_kw, seq)
+            first = _step(*built) if built else float("nan")
+            _BUILT[key] = (built, first)
+        built, first = _BUILT[key]
+        out[side] = (_timed(lambda: _step(*built) if built else None), first)
+    torch.set_num_threads(1)
+    return out
+
+
+def forget() -> None:
+    _BUILT.clear()
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def build_deepspeed_ops() -> None:
+    """DeepSpeed's init_distributed on CPU loads its shared-memory comm op, JIT-built on
+    first use: built here once, in one process, into a directory of this benchmark's
+    own (two ranks building it at once, or another user's half-built copy, fail)."""
+    import os
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", "/tmp/p3d-bench-torch-extensions")
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        builder.load(verbose=False)
+
+
+def run(seq: int, rounds: int, model_kw: dict, log=print) -> dict:
+    """Alternating rounds of both comparisons on one pool of 2 ranks; the medians."""
+    from parallel3d.testing import ProcessGroupPool
+
+    build_deepspeed_ops()
+
+    shape = (model_kw["n_heads"], model_kw["n_kv_heads"], model_kw["dim"] // model_kw["n_heads"])
+    attn = {s: [] for s in ATTN_SIDES}
+    step = {s: [] for s in STEP_SIDES}
+    losses: dict[str, float] = {}
+    pool = ProcessGroupPool(2, timeout=3600, start_method="forkserver")
+    try:
+        pool.run(attention_round, 256, shape, list(ATTN_SIDES))  # first calls, DeepSpeed's imports
+        for i in range(rounds):
+            k = i % len(ATTN_SIDES)
+            a_order = list(ATTN_SIDES[k:] + ATTN_SIDES[:k])
+            s_order = list(STEP_SIDES[k:] + STEP_SIDES[:k])
+            for side, t in pool.run(attention_round, seq, shape, a_order)[0].items():
+                attn[side].append(t)
+            for side, (t, loss) in pool.run(step_round, seq, model_kw, s_order)[0].items():
+                step[side].append(t)
+                losses[side] = loss
+            log(f"  round {i + 1}/{rounds}: attention " + ", ".join(f"{s} {attn[s][-1] * 1e3:.0f}" for s in ATTN_SIDES)
+                + " ms; step " + ", ".join(f"{s} {step[s][-1] * 1e3:.0f}" for s in STEP_SIDES) + " ms")
+        pool.run(forget)
+    finally:
+        pool.close()
+    return {"attention": {s: _median_ms(v) for s, v in attn.items()},
+            "step": {s: _median_ms(v) for s, v in step.items()}, "losses": losses,
+            "raw": {"attention": attn, "step": step}}
+
+
+def table(res: dict, seq: int, rounds: int, model_kw: dict) -> str:
+    a, s, losses = res["attention"], res["step"], res["losses"]
+    ref_loss = losses["cp 1 (1 thread)"]
+    lines = [f"S = {seq} tokens, micro-batch 1, model {model_kw}, fp32, 2 gloo ranks x 1 thread; "
+             f"median of {rounds} alternating rounds (slower rank)", "",
+             "| side | attention fwd+bwd ms | vs Ulysses | step ms | vs Ulysses | vs cp 1 (2 threads) | first loss |",
+             "|---|---|---|---|---|---|---|"]
+    for side in ATTN_SIDES:
+        lines.append(f"| {side} | {a[side]:.0f} | {a[side] / a['ulysses']:.2f} | {s[side]:.0f} | "
+                     f"{s[side] / s['ulysses']:.2f} | {s[side] / s['cp 1 (2 threads)']:.2f} | {losses[side]:.6f} |")
+    worst = max(abs(v - ref_loss) / abs(ref_loss) for v in losses.values())
+    lines += ["", f"first losses agree to {worst:.1e} (relative; every side the same model, weights and tokens)"]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="tiny model and sequence, 1 round: the code path")
+    args = parser.parse_args()
+    model_kw = dict(MODEL)
+    if args.smoke:
+        args.seq_len, args.rounds = 64, 1
+        model_kw.update(dim=32, ffn_dim=64)
+    res = run(args.seq_len, args.rounds, model_kw)
+    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}")
+    print(table(res, args.seq_len, args.rounds, model_kw))
+    ref = res["losses"]["cp 1 (1 thread)"]
+    bad = [s for s, v in res["losses"].items() if abs(v - ref) > 1e-5 * abs(ref)]
+    if bad:
+        print(f"FAIL: first losses of {bad} differ from cp 1's by more than 1e-5", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
