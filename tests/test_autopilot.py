@@ -141,3 +141,88 @@ def test_the_report_shows_the_move_and_the_decisions():
     text = summary(records, events)
     assert "autopilot, step 25: move tp2 pp2 dp2 (2000 ms measured) -> tp1 pp1 dp8 (900 ms predicted)" in text
     assert "autopilot, step 50: confirmed: measured 1000 ms against 900" in text
+
+
+def _tensors(obj, depth: int = 4, seen=None) -> list:
+    """Every tensor reachable from ``obj`` through attributes, dicts, lists and tuples."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth < 0:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj] + ([obj.grad] if obj.grad is not None else [])
+    if isinstance(obj, dict):
+        items = list(obj.keys()) + list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, depth - 1, seen)]
+
+
+def test_the_move_frees_the_old_trainer_before_the_new_one_allocates(corpus_dir, tmp_path, monkeypatch):
+    """The move's peak is one trainer's state: every parameter, gradient and optimizer
+    buffer of the old trainer is dead when the new trainer's optimizer allocates, and the
+    losses after the move are those of a run that never moved."""
+    import weakref
+
+    import parallel3d.train.regroup as regroup
+    import parallel3d.train.trainer as trainer_module
+    from parallel3d.planner.spec import Layout
+
+    job = tiny_job(corpus_dir, str(tmp_path / "run"), train={"steps": 4}, observability={"progress": "off"})
+    cfg = config_from_dict(job)
+    straight = [r["loss"] for r in Trainer(config_from_dict({**job, "run": {"dir": str(tmp_path / "ref")}}),
+                                           Topology.single(), log=False).fit()]
+    trainer = Trainer(cfg, Topology.single(), log=False)
+    losses = [r["loss"] for r in trainer.run_steps(2)]
+    old = [weakref.ref(t) for t in _tensors(trainer.model) + _tensors(trainer.optimizer)]
+    assert len(old) > 10 and any(t().grad is None and t().dim() == 1 for t in old)  # reached the buffers
+    alive_at_build = []
+    build = trainer_module.build_optimizer
+
+    def checked(*args, **kwargs):
+        alive_at_build.append(sum(r() is not None for r in old))
+        return build(*args, **kwargs)
+    monkeypatch.setattr(trainer_module, "build_optimizer", checked)
+    monkeypatch.setattr(regroup, "new_topology", lambda layout, topo: Topology.single())
+    new, _ = regroup.move(trainer, Layout.from_config(cfg), lambda c, topo: Trainer(c, topo, log=False))
+    assert alive_at_build == [0]
+    assert new.step == 2
+    losses += [r["loss"] for r in new.run_steps(4)]
+    new.close()
+    assert losses == straight
+
+
+def test_the_probe_holds_one_probe_model_at_a_time(monkeypatch):
+    """Each probe model is built, run and freed (gradients included) before the next: at
+    most one exists at any time, and none once a round is over."""
+    import gc
+    import weakref
+
+    import torch
+
+    from parallel3d.autopilot.probe import ComputeProbe
+    from parallel3d.models.llama import model as llama_module
+
+    built, alive_at_build = [], []
+    init = llama_module.Llama.__init__
+
+    def counted(self, *args, **kwargs):
+        gc.collect()
+        alive_at_build.append(sum(r() is not None for r in built))
+        init(self, *args, **kwargs)
+        built.append(weakref.ref(self))
+    monkeypatch.setattr(llama_module.Llama, "__init__", counted)
+    cfg = llama_module.LlamaConfig(vocab_size=256, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128)
+    probe = ComputeProbe(cfg, [1, 2], micro_batch=1, seq_len=16, device=torch.device("cpu"))
+    for _ in range(2):
+        probe.round()
+    gc.collect()
+    assert len(built) == 12 and alive_at_build == [0] * 12
+    assert all(r() is None for r in built)
+    assert set(probe.result()) == {1, 2}

@@ -15,7 +15,9 @@ so that ``layer = B - A``, ``head = A - C`` and ``base = C - layer`` (a chunk's 
 its layers). The clock is the process's CPU time on CPU (immune to waiting for a core:
 what is measured is the work) and CUDA events on a GPU. Every rank runs every
 configuration (:func:`probe_compute`), and the medians are averaged over the world, so
-every rank holds the same table.
+every rank holds the same table. One probe model exists at a time: each is built, run and
+freed (with its gradients) before the next, so the probe adds one small model's state to
+the trainer's, never the three per degree.
 """
 
 from __future__ import annotations
@@ -57,28 +59,32 @@ def _clock(device: torch.device):
     return time.process_time, lambda a, b: b - a
 
 
-def _runner(model_cfg, tp: int, layers: int, head: bool, micro_batch: int, seq_len: int,
-            device: torch.device, dtype: torch.dtype):
-    """A function running one forward and backward of the probe model (see the docstring)."""
+def _run_once(model_cfg, tp: int, layers: int, head: bool, micro_batch: int, seq_len: int,
+              device: torch.device, dtype: torch.dtype, mark, seconds) -> float:
+    """Build the probe model (see the docstring), time one forward and backward on its own
+    and let it go, gradients included: seconds. The clock excludes the build, as when the
+    models were built once (each timed run then allocated its gradients anew too)."""
     from parallel3d.models.llama.model import Llama
 
     cfg = replace(shard_config(model_cfg, tp), n_layers=layers)
     gen = torch.Generator().manual_seed(0)
-    with torch.device(device):
+    # its random init draws from a fork of torch's generators: the probe, run between
+    # training steps every round, leaves the training's random state as it found it
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.device(device):
         model = Llama(cfg).to(dtype)
     if not head:
         model.lm_head = None
     tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len), generator=gen).to(device)
-
-    def once() -> None:
-        model.zero_grad(set_to_none=True)
-        out = model(tokens)
-        if head:
-            loss = F.cross_entropy(out.float().view(-1, cfg.vocab_size), tokens.view(-1))
-        else:
-            loss = out.float().square().mean()
-        loss.backward()
-    return once
+    a = mark()
+    out = model(tokens)
+    if head:
+        loss = F.cross_entropy(out.float().view(-1, cfg.vocab_size), tokens.view(-1))
+    else:
+        loss = out.float().square().mean()
+    loss.backward()
+    elapsed = seconds(a, mark())
+    del out, loss, model  # the parameters and their .grad go with the model
+    return elapsed
 
 
 class ComputeProbe:
@@ -96,19 +102,19 @@ class ComputeProbe:
                  dtype: torch.dtype = torch.float32):
         self.tps = sorted(set(tps))
         self.jobs = [(tp, name, layers, head) for tp in self.tps for name, layers, head in CONFIGS]
-        self.runs = [_runner(model_cfg, tp, layers, head, micro_batch, seq_len, device, dtype)
-                     for tp, _, layers, head in self.jobs]
+        self.shape = (model_cfg, micro_batch, seq_len, device, dtype)
         self.device = device
         self.mark, self.seconds = _clock(device)
         self.samples: list[list[float]] = [[] for _ in self.jobs]
         self.rounds = 0
 
     def round(self) -> None:
-        for i, run in enumerate(self.runs):
-            a = self.mark()
-            run()
-            if self.rounds:  # round 0 warms up (allocations, first-call dispatch)
-                self.samples[i].append(self.seconds(a, self.mark()))
+        model_cfg, micro_batch, seq_len, device, dtype = self.shape
+        for i, (tp, _, layers, head) in enumerate(self.jobs):
+            took = _run_once(model_cfg, tp, layers, head, micro_batch, seq_len, device, dtype,
+                             self.mark, self.seconds)
+            if self.rounds:  # round 0 warms up (first-call dispatch, kernel selection)
+                self.samples[i].append(took)
         self.rounds += 1
 
     def result(self, group=None) -> dict[int, ChunkCost]:

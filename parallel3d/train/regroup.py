@@ -5,7 +5,9 @@ from the same weights, and checkpoints reshard to any layout)::
 
     1. complete and write the step records; save a checkpoint of this step at the old
        layout (atomic: until its ``latest`` is written, the previous checkpoint stands)
-    2. let go of the old trainer's data loader, metrics file and progress bar
+    2. let go of the old trainer's data loader, metrics file and progress bar, then of
+       its state (model, optimizer buffers, schedule): the new trainer allocates into the
+       memory they held, and the move's peak is one trainer's, not two
     3. build the new topology: every group of more than one rank of the new layout
        (``new_group`` is collective over the world: every rank creates every group, in
        the same order; an axis of degree 1 has none)
@@ -21,6 +23,7 @@ resumable from that checkpoint, at the old layout, by starting it again (with to
 
 from __future__ import annotations
 
+import gc
 import time
 
 import torch.distributed as dist
@@ -43,6 +46,24 @@ def save_for_move(trainer) -> str:
     if latest is None or not latest.name.endswith(f"{trainer.step:08d}"):
         raise RuntimeError(f"the checkpoint of step {trainer.step} for the move is not in {ckpt.root}")
     return str(latest)
+
+
+# what holds a trainer's tensors and threads (its watch, config and topology stay)
+TRAINER_STATE = ("model", "loss_fn", "optimizer", "schedule", "data", "sampler", "checkpointer",
+                 "observer", "timeline", "step_hooks", "on_stop", "_pending", "_completed")
+
+
+def release_state(trainer) -> None:
+    """After ``trainer.release()``, let go of its model, optimizer (masters, moments, flat
+    and gradient buffers), schedule and data loader, so that the trainer built next
+    allocates into the memory they held: the caller may keep the object (the autopilot's
+    loop does, until the move returns), but nothing reachable from it holds a tensor."""
+    if hasattr(trainer, "optimizer"):
+        trainer.optimizer.release()  # its tensor hooks, which the cycle collector cannot see
+    for name in TRAINER_STATE:
+        if hasattr(trainer, name):
+            delattr(trainer, name)
+    gc.collect()  # modules, hooks and the optimizer reference each other in cycles
 
 
 def new_topology(layout: Layout, old: Topology) -> Topology:
@@ -70,6 +91,7 @@ def move(trainer, layout: Layout, make_trainer):
     cfg.checkpoint.resume = folder
     old_topo, old_groups = trainer.topo, [trainer.checkpointer.group]
     trainer.release()
+    release_state(trainer)
     topo = new_topology(layout, old_topo)
     trainer.watch.topo = topo  # reports name the new groups
     new = make_trainer(cfg, topo)

@@ -122,6 +122,18 @@ class GradReducer:
                         for i, p in enumerate(params)]
         self.begin_step(None)
 
+    def release(self) -> None:
+        """Remove the hooks from the parameters and drop the gradient views they carry: a
+        tensor hook lives in the tensor's C++ autograd state, where Python's cycle
+        collector cannot see it, so hooks -> reducer -> parameters would keep every buffer
+        alive after the trainer let go of it (the autopilot's move)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for p in self.params:
+            p.grad = None
+            p.__dict__.pop("main_grad", None)
+
     def _use_main_grad(self) -> None:
         """Stages 0/1: a low-precision weight of a tensor-parallel GEMM gets its fp32 view of
         the gradient buffer as ``main_grad``: the weight-gradient GEMM adds into it in fp32

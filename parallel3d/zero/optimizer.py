@@ -307,6 +307,12 @@ class ZeroOptimizer(GlobalNormOptimizer):
         """Block until every parameter holds the values of the last step."""
         self._wait_gathers(list(self._gathers))
 
+    def release(self) -> None:
+        """Let go of the parameters' gradient hooks (see :meth:`GradReducer.release`), after
+        any all-gather in flight: the buffers are freed once the optimizer is dropped."""
+        self.wait_for_params()
+        self.reducer.release()
+
     # -- inspection and checkpoints --------------------------------------------------------------
     @property
     def trace(self):
