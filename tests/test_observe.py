@@ -386,3 +386,42 @@ def test_cpu_seconds_count_work_outside_the_schedule_and_not_waiting(corpus_dir,
     # shows idle time too: 42 ms once in CI)
     idle = lambda r: r["step_time_s"] - r["cpu_s"]  # noqa: E731
     assert med(sleep, idle) > 0.02
+
+
+def test_the_step_time_includes_an_optimizer_update_the_device_runs_late(corpus_dir, tmp_path):
+    """Issue 30, point 5: on CUDA ``apply()`` only queues the update. A fake asynchronous
+    device: ``apply()`` returns at once and its 1.5 s of work runs in a thread, done when
+    the trainer waits for the step's issued work (on CUDA an event recorded after apply).
+    The step's time must hold the update: before, step_time_s was taken when apply()
+    returned (under 1.5 s here) and tokens/s was inflated by as much."""
+    import threading
+
+    job = tiny_job(corpus_dir, str(tmp_path), train={"steps": 2}, observability={"progress": "off"})
+    trainer = Trainer(config_from_dict(job), Topology.single(), log=False)
+    apply, queued = trainer.optimizer.apply, []
+
+    def queued_apply(*args, **kwargs):
+        apply(*args, **kwargs)
+        work = threading.Thread(target=time.sleep, args=(1.5,))
+        work.start()
+        queued.append(work)  # the device's queue: the update is not done yet
+
+    def queued_apply_timed(*args, **kwargs):
+        queued_apply(*args, **kwargs)
+        marks["applied"] = time.perf_counter()
+
+    begin, marks = trainer.timeline.begin_step, {}
+
+    def begin_timed(step):  # called right after the step's clock starts
+        marks["start"] = time.perf_counter()
+        begin(step)
+
+    trainer.timeline.begin_step = begin_timed
+    trainer.optimizer.apply = queued_apply_timed
+    trainer.wait_for_issued_work = lambda: [w.join() for w in queued]  # Event.synchronize()
+    record = trainer.train_step()
+    trainer.release()
+    # the step's end, by its own clock, is after the update's work (load-independent:
+    # before, it came right after apply() returned, 1.5 s short)
+    end = marks["start"] + record["step_time_s"]
+    assert end >= marks["applied"] + 1.5 - 0.01, (end - marks["applied"])

@@ -33,6 +33,11 @@ from .save import CheckpointWriter, RankPayload, snapshot
 from .state import Slot, param_placements, read_block, rng_state, set_rng_state
 
 
+# How long a rank waits for the others to finish loading (not comm_timeout_s: reading and
+# verifying a large checkpoint is not a collective that may hang, and takes minutes).
+LOAD_WAIT_S = 3600.0
+
+
 def _layout(cfg, topo) -> dict:
     return {"tp": topo.tp, "cp": topo.cp, "pp": topo.pp, "dp": topo.dp, "ep": topo.ep, "world_size": topo.world_size,
             "zero": getattr(cfg.parallel, "zero", 0)}
@@ -79,6 +84,21 @@ class Checkpointer:
         return box[0]
 
     # -- loading ---------------------------------------------------------------------------
+    def wait_for_every_rank(self) -> None:
+        """Return when every rank has loaded (weights and training state, or initialised).
+
+        Ranks load at different speeds (each verifies and reads its own files), and the
+        first collective of training is bound by ``reliability.comm_timeout_s``: without
+        this, a rank that loaded faster waits for the slowest inside that collective and
+        fails (gloo), or its watchdog, armed by the first step, counts the wait (NCCL).
+        The barrier runs on the checkpointer's own gloo group with a limit of its own,
+        :data:`LOAD_WAIT_S`; ``monitored_barrier`` names the rank that did not arrive."""
+        if self.group is None:
+            return
+        from datetime import timedelta
+
+        dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=LOAD_WAIT_S))
+
     def _resume_source(self):
         """The checkpoint to resume as a source: a parallel3d checkpoint, or another
         framework's (DeepSpeed ZeRO 0-3, torch DCP, Megatron) named by ``checkpoint.resume``."""

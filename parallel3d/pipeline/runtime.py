@@ -187,6 +187,8 @@ class PipelineSchedule:
                                            for msg in inputs_of(action, self.owners)):
                 pending = self._receive(pending, st)
             self._ACTIONS[action.op](self, action, st)
+            if self.watch is not None:  # each pass is progress: a long step is not a hang
+                self.watch.progress(self.device)
         if pending is not None:
             self._receive(pending, st)
 

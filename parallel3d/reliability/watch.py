@@ -23,6 +23,15 @@ same report, dumps torch's NCCL flight recorder (the last collectives of every g
 ``RUN_DIR/nccl_trace_rank<r>.pkl``, when recording is on) and exits with status 4; the
 process groups are given a longer timeout (:func:`backend_timeout_s`) so that this
 happens first. The same thread runs on gloo in the tests that check it.
+
+Progress is not only a new operation entered: the pipeline schedule calls
+:meth:`CommWatch.progress` after each forward, backward and weight pass, so a step with
+many micro-batches is judged per pass, not as a whole. On CUDA the host runs ahead of the
+device (with pp 1 it blocks only at the step's loss, in the closing all-reduce, while the
+device still works through the micro-batches): there a pass records a CUDA event, and
+the watchdog counts one as progress when the device has completed it (``Event.query``,
+no synchronisation), so a long step the device is working through is never a hang, and
+a collective stuck on the device still is (its events never complete).
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
 
 import torch.distributed as dist
@@ -138,6 +148,9 @@ class CommWatch:
         # the watchdog does not judge start-up (building and loading a large model can
         # take longer than any collective may) nor phases without collectives
         self.paused = True
+        # CUDA events of passes the host issued and the device has not yet been seen to
+        # complete (bounded: the host cannot run more than a queue's depth ahead anyway)
+        self._marks: deque = deque(maxlen=4096)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._stop = threading.Event()
         self._thread = None
@@ -165,6 +178,29 @@ class CommWatch:
 
     def resume(self) -> None:
         (self.op, self.axis), self.since = self._compute, time.monotonic()
+
+    def progress(self, device=None) -> None:
+        """A forward, backward or weight pass was issued on ``device``: progress of the
+        current operation. On the host (CPU) it is done when this returns; on CUDA it is
+        done when the event recorded here completes (the watchdog thread looks)."""
+        if device is not None and getattr(device, "type", None) == "cuda":
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._marks.append(event)
+        else:
+            self.since = time.monotonic()
+
+    def _device_progress(self) -> None:
+        """Move ``since`` to now when the device completed a pass since the last look (the
+        watchdog thread; ``query`` does not block)."""
+        done = False
+        while self._marks and self._marks[0].query():
+            self._marks.popleft()
+            done = True
+        if done:
+            self.since = time.monotonic()
 
     def pause(self, op: str) -> None:
         """A phase the watchdog does not time (a checkpoint written by this rank alone,
@@ -195,6 +231,8 @@ class CommWatch:
 
     def stalled(self) -> bool:
         """No progress for ``timeout_s``: the watchdog's trigger."""
+        if self._marks:
+            self._device_progress()
         return not self.paused and time.monotonic() - self.since > self.timeout_s
 
     def _report_and_exit(self) -> None:

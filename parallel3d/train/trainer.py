@@ -120,6 +120,9 @@ class Trainer:
         self.spikes = LossSpikeDetector(rel.spike_factor, rel.spike_window)
         # Optimizer, data position and RNG of the checkpoint being resumed; its step.
         self.step = self.checkpointer.load_training_state(self)
+        # Every rank loaded before any collective bound by comm_timeout_s (and before the
+        # first step arms the watchdog): the slowest rank's load is nobody's hang.
+        self.checkpointer.wait_for_every_rank()
         if on_stop == "checkpoint":
             on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
         self.on_stop = on_stop
@@ -142,17 +145,22 @@ class Trainer:
         if self.step == 0 and dist.is_initialized() and self.topo.world_size > 1:
             dist.barrier()  # start the first step together: its time is not setup's skew
         # No device-wide synchronisation: the host waits for the step's loss (in the
-        # closing collective) and nothing else, so the parameter all-gathers issued by
-        # apply() run under the next step's forward. In steady state the host's step time
-        # is the device's (the timeline's CUDA events give the per-span GPU times).
+        # closing collective) and for an event after the optimizer's update on the
+        # compute stream (wait_for_issued_work), so the step time is the step's own work,
+        # update included, and the parameter all-gathers issued by apply() on their own
+        # stream still run under the next step's forward (the timeline's CUDA events give
+        # the per-span GPU times).
         t0, cpu0 = time.perf_counter(), time.process_time()
         timeline = self.timeline
         timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
         self.watch.step = self.step + 1
-        self.watch.compute("forward/backward", self._compute_axis)
+        # the wait for data is no collective: not judged (a first batch built on a loaded
+        # host took seconds); the peers' reports name this rank "in waiting for data"
+        self.watch.pause("waiting for data")
         with timeline.span("data", "data"):  # the wait for batches built in the background
             micro_batches, _ = self.data.loader.next()
+        self.watch.compute("forward/backward", self._compute_axis)
         self.optimizer.begin_step(len(micro_batches))  # buckets reduce as the last backward fills them
         cpu1 = time.process_time()
         loss_part = self.schedule.run(micro_batches, reduce_loss=False)
@@ -164,6 +172,7 @@ class Trainer:
             norm_share = self.optimizer.reduce_gradients()
             grad_norm, loss = self._step_sums(norm_share, loss_part)
             self.optimizer.apply(lr, grad_norm, skip=not math.isfinite(loss))
+            self.wait_for_issued_work()  # the step's time includes its optimizer
         dt = time.perf_counter() - t0
         cpu = (time.process_time() - cpu0, cpu_fwd_bwd)
         self.step += 1
@@ -177,6 +186,23 @@ class Trainer:
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
+
+    def wait_for_issued_work(self) -> None:
+        """Return when the device has done the work this step issued on the current stream
+        (the optimizer's update, the last issued).
+
+        On CUDA ``apply()`` only queues its kernels: a step time taken when it returns
+        leaves the update out (tokens/s and MFU too high, and the autopilot fitted to
+        them), and the next step's time takes it in only partly, where the host blocks at
+        the loss. An event recorded after ``apply()`` and waited for here ends the step
+        after its own work, without a device-wide synchronize (other streams, such as the
+        parameter all-gathers ZeRO issues for the next forward, go on). The cost: the host
+        queues the next step's first kernels after the update, not during it (launch
+        latency, microseconds). On CPU the update ran inside ``apply()``: nothing to wait."""
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            done.synchronize()
 
     def _step_sums(self, norm_share: torch.Tensor, loss_part: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The step's one collective: over the world, the sum of this rank's share of the
