@@ -23,17 +23,24 @@ def add_gpu_args(p, dry_run: bool = False) -> None:
                    help=f"a GPU of the table: {', '.join(gpu_names())}"
                         + (" (the dry run then says, per stage, whether the job fits)" if dry_run else ""))
     p.add_argument("--gpu-spec", metavar="KEY=VALUE,...", help=SPEC_HELP)
+    p.add_argument("--headroom", type=float, default=None, metavar="SHARE",
+                   help="share of the GPU's memory kept free beyond the estimates and the 2 GiB "
+                        "runtime reserve (default 0.05)")
 
 
 def gpu_from_args(args, internode_gbit_per_s: float | None = None):
     """The GPU ``--gpu`` / ``--gpu-spec`` name or describe (the spec's keys over the named
     GPU when both are given), or None when neither is."""
-    from parallel3d.planner.hardware import gpu_from_spec, gpu_named, with_internode
+    from parallel3d.planner.hardware import gpu_from_spec, gpu_named, with_headroom, with_internode
 
     gpu = gpu_named(args.gpu) if args.gpu else None
     if args.gpu_spec:
         gpu = gpu_from_spec(args.gpu_spec, gpu)
-    return None if gpu is None else with_internode(gpu, internode_gbit_per_s)
+    if gpu is None:
+        if getattr(args, "headroom", None) is not None:
+            raise UserError("--headroom is a share of a GPU's memory: name the GPU (--gpu or --gpu-spec)")
+        return None
+    return with_headroom(with_internode(gpu, internode_gbit_per_s), getattr(args, "headroom", None))
 
 
 def add_plan_parser(sub) -> None:

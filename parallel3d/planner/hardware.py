@@ -64,6 +64,9 @@ class GPU:
     nvlink_bytes_per_s: float  # intra-node, per GPU, one direction
     internode_bytes_per_s: float  # per GPU, one direction (its NIC)
     gpus_per_node: int = 8  # the node (NVLink domain) it usually comes in
+    # Share of the board kept free beyond every estimate (the runtime reserve and the
+    # fragmentation margin are estimates too): `plan` / `--dry-run` --headroom.
+    headroom: float = 0.05
 
     def describe(self) -> str:
         return (f"{self.name}: {self.peak_flops / 1e12:,.0f} TFLOP/s bf16, {self.memory_bytes / GiB:.1f} GiB, "
@@ -194,5 +197,23 @@ FRAGMENTATION = 0.10
 
 
 def usable_bytes(gpu: GPU) -> int:
-    """Memory a rank's tensors may occupy: the board minus the runtime reserve."""
-    return gpu.memory_bytes - RUNTIME_RESERVE_BYTES
+    """Memory a rank's tensors may occupy: the board minus the runtime reserve and the
+    headroom (``gpu.headroom`` of the board, default 5%: what no model here counts, such as
+    allocator fragmentation beyond the margin, or a communicator created late)."""
+    return gpu.memory_bytes - RUNTIME_RESERVE_BYTES - int(gpu.headroom * gpu.memory_bytes)
+
+
+def memory_terms(gpu: GPU) -> str:
+    """How :func:`usable_bytes` comes about, for the plan's and the dry run's output."""
+    return (f"{usable_bytes(gpu) / GiB:.1f} GiB usable = {gpu.memory_bytes / GiB:.1f} GiB - "
+            f"{RUNTIME_RESERVE_BYTES / GiB:.0f} GiB runtime reserve - {gpu.headroom:.0%} headroom "
+            f"({gpu.headroom * gpu.memory_bytes / GiB:.1f} GiB, --headroom)")
+
+
+def with_headroom(gpu: GPU, headroom: float | None) -> GPU:
+    """``gpu`` keeping ``headroom`` (a share of its memory) free, when given."""
+    if headroom is None:
+        return gpu
+    if not 0 <= headroom < 0.5:
+        raise UserError(f"--headroom is a share of the GPU's memory in [0, 0.5), got {headroom}")
+    return replace(gpu, headroom=headroom)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from parallel3d.planner.hardware import FRAGMENTATION, GPU
+from parallel3d.planner.hardware import FRAGMENTATION, GPU, memory_terms
 from parallel3d.planner.search import Candidate
 from parallel3d.planner.spec import Layout, Workload
 
@@ -98,7 +98,8 @@ def assumptions(gpu: GPU, eff, n_gpus: int, gpus_per_node: int) -> str:
             f"dense, {gpu.memory_bytes / GiB:.1f} GiB, "
             f"compute efficiency {eff.compute:.3f}, link efficiency {eff.link:.2f}, intra-node "
             f"{gpu.nvlink_bytes_per_s / 1e9:.0f} GB/s, inter-node {gpu.internode_bytes_per_s * 8 / 1e9:.0f} "
-            f"Gbit/s per GPU; memory: {FRAGMENTATION:.0%} fragmentation margin on the fullest stage")
+            f"Gbit/s per GPU; memory: {memory_terms(gpu)}, and a {FRAGMENTATION:.0%} fragmentation margin "
+            "on the fullest stage")
 
 
 def recipe_text(best: Candidate, work: Workload, model_keys: dict, n_gpus: int, gpus_per_node: int,

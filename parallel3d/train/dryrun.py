@@ -38,7 +38,7 @@ import torch
 from parallel3d.config import JobConfig
 from parallel3d.models.llama import Llama
 from parallel3d.models.llama.parallelize import parallelize_llama
-from parallel3d.planner.hardware import FRAGMENTATION, GPU, usable_bytes
+from parallel3d.planner.hardware import FRAGMENTATION, GPU, memory_terms, usable_bytes
 from parallel3d.planner.memory import StageMemory, memory_per_stage
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
 from parallel3d.topology import RankGrid, Topology
@@ -184,7 +184,7 @@ def stage_table(reports: list[StageReport], pp: int, gpu: GPU | None) -> tuple[s
     head = (f"  {'stage':12s} {'params':>13s} {'weights':>8s} {'grads':>8s} {'optim.':>8s} |"
             f" {'activ.':>8s} {'buffers':>8s} | {'peak':>8s}")
     if gpu is not None:
-        head += f"  {gpu.name} ({usable_bytes(gpu) / GiB:.1f} GiB usable, {FRAGMENTATION:.0%} margin)"
+        head += f"  {gpu.name} ({memory_terms(gpu)}; {FRAGMENTATION:.0%} margin)"
     lines = [head]
     for r in reports:
         label = f"{r.stage} ({names.get(r.stage, 'middle')})" if pp > 1 else "0 (all)"
