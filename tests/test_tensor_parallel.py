@@ -472,3 +472,21 @@ def test_counter_init_has_the_requested_distribution():
     again = init_llama_(Llama(cfg), seed=3).embed_tokens.weight
     other = init_llama_(Llama(cfg), seed=4).embed_tokens.weight
     assert torch.equal(emb, again) and not torch.equal(emb, other)
+
+
+def test_counter_init_in_parallel_chunks_equals_one_chunk_at_a_time(monkeypatch):
+    """Chunks generated on several threads, in any order, give the values of one thread
+    generating them in turn, bit for bit, whole and for a row-parallel block; and a value
+    does not depend on the chunk it was computed in."""
+    from parallel3d.tensor_parallel import init
+
+    def fill(workers: int, chunk: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(init, "_workers", lambda: workers)
+        monkeypatch.setattr(init, "_CHUNK", chunk)
+        whole = init.counter_normal_(torch.empty(5 * 4096 + 37), 0.02, seed=9, name="w")
+        rows = init.counter_normal_(torch.empty(50, 300, dtype=torch.bfloat16), 0.5, seed=9, name="r",
+                                    full_shape=(50, 600), dim=1, start=300)
+        return [whole, rows]
+    one = fill(1, 4096)
+    for got in (fill(4, 4096), fill(3, 1000)):
+        assert all(torch.equal(a, b) for a, b in zip(one, got))

@@ -20,9 +20,10 @@ the full tensor (a block of rows, or one row's columns under a row-parallel spli
 only its own elements. numpy's ``Philox`` bit generator produces the raw words; the
 transform runs in torch, element-wise, so a value does not depend on which slice it was
 computed in (a test checks this). Values are generated on the host in bounded chunks
-(:data:`_CHUNK` elements, about 12 MB of temporaries) and copied into the shard, on
-whatever device and in whatever dtype it is stored: the host holds at most one chunk
-beyond the shard.
+(:data:`_CHUNK` elements, about 12 MB of temporaries), several at once on
+``torch.get_num_threads()`` threads, and copied into the shard, on whatever device (through
+pinned memory) and in whatever dtype it is stored: the host holds at most two chunks per
+thread beyond the shard.
 
 This is not the stream of ``torch.manual_seed`` + ``normal_``: a model initialised this
 way equals the unsharded model initialised the same way (``counter_normal_`` on whole
@@ -39,6 +40,7 @@ import numpy as np
 import torch
 
 _CHUNK = 1 << 18  # elements generated per pass: bounds the host temporaries (~12 MB)
+_MAX_WORKERS = 16  # threads generating chunks at once (2 chunks each in flight: ~400 MB)
 
 
 def stream_key(seed: int, name: str) -> int:
@@ -77,34 +79,77 @@ def _runs(full_shape, dim, start, shape):
         yield r * full_shape[1] + start, width, r * width
 
 
+def _groups(runs, chunk: int):
+    """The runs cut into pieces of at most ``chunk`` elements, grouped: a group is a list of
+    ``(flat start in the full tensor, count)`` pieces that land one after the other in the
+    block from the group's start, at most ``chunk`` elements in all; yields ``(start in the
+    block, pieces, count)``."""
+    pieces, at, queued = [], 0, 0
+    for src, count, dst in runs:
+        for lo in range(0, count, chunk):
+            n = min(chunk, count - lo)
+            if dst + lo != at + queued or queued + n > chunk:
+                if pieces:
+                    yield at, pieces, queued
+                pieces, at, queued = [], dst + lo, 0
+            pieces.append((src + lo, n))
+            queued += n
+    if pieces:
+        yield at, pieces, queued
+
+
+def _group_values(key: int, pieces, std: float, dtype: torch.dtype) -> torch.Tensor:
+    """One group's values, scaled and in ``dtype`` (host): ``(N(0, 1) * std).to(dtype)``
+    in float64, as before the values were computed in parallel (bit for bit)."""
+    runs = [normal_run(key, src, n) for src, n in pieces]
+    values = torch.cat(runs) if len(runs) > 1 else runs[0]
+    return values.mul_(std).to(dtype)
+
+
+def _workers() -> int:
+    return max(1, min(_MAX_WORKERS, torch.get_num_threads()))
+
+
 @torch.no_grad()
 def counter_normal_(t: torch.Tensor, std: float, *, seed: int, name: str,
                     full_shape=None, dim: int | None = None, start: int = 0) -> torch.Tensor:
     """Fill ``t`` with N(0, std^2) values that depend only on (seed, name, index in the
     full tensor). ``t`` is the block of the full tensor (``full_shape``, default
     ``t.shape``) that starts at ``start`` along ``dim`` (the whole tensor if None);
-    a row-parallel block (``dim`` = 1 of a matrix) is generated row by row."""
+    a row-parallel block (``dim`` = 1 of a matrix) is generated row by row.
+
+    Groups of up to :data:`_CHUNK` elements are generated on up to ``torch.get_num_threads()``
+    threads at once (numpy's Philox and torch's element-wise ops release the GIL), at most
+    two groups per thread in flight: each value is a function of its index alone, so the
+    order in which groups are computed changes nothing. A device shard gets each group
+    through pinned host memory, copied without blocking the host."""
+    from concurrent.futures import ThreadPoolExecutor
+
     full_shape = tuple(full_shape or t.shape)
     key = stream_key(seed, name)
     flat = t.view(-1)
-    pending, at, queued = [], 0, 0  # small runs are batched into one host-to-device copy
+    pinned = t.device.type == "cuda"
 
-    def flush():
-        nonlocal pending, queued
-        if pending:
-            values = torch.cat(pending) if len(pending) > 1 else pending[0]
-            flat[at:at + queued].copy_((values * std).to(t.dtype))
-        pending, queued = [], 0
+    def land(at: int, values: torch.Tensor) -> None:
+        if pinned:
+            values = values.pin_memory()  # the caching host allocator keeps it until copied
+        flat[at:at + values.numel()].copy_(values, non_blocking=pinned)
 
-    for src, count, dst in _runs(full_shape, dim, start, tuple(t.shape)):
-        for lo in range(0, count, _CHUNK):
-            n = min(_CHUNK, count - lo)
-            if dst + lo != at + queued or queued + n > _CHUNK:
-                flush()
-                at = dst + lo
-            pending.append(normal_run(key, src + lo, n))
-            queued += n
-    flush()
+    groups = _groups(_runs(full_shape, dim, start, tuple(t.shape)), _CHUNK)
+    workers = _workers()
+    if workers == 1 or t.numel() <= _CHUNK:
+        for at, pieces, _ in groups:
+            land(at, _group_values(key, pieces, std, t.dtype))
+        return t
+    with ThreadPoolExecutor(workers, thread_name_prefix="p3d-init") as pool:
+        inflight = []
+        for at, pieces, _ in groups:
+            inflight.append((at, pool.submit(_group_values, key, pieces, std, t.dtype)))
+            if len(inflight) >= 2 * workers:  # bounds the host temporaries
+                at0, done = inflight.pop(0)
+                land(at0, done.result())
+        for at, done in inflight:
+            land(at, done.result())
     return t
 
 
