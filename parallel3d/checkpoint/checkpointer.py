@@ -313,9 +313,16 @@ class Checkpointer:
                                   "sampler": self._sampler_state(trainer, step)}}
             if self.hf_config:
                 fields["hf_config"] = self.hf_config
-        payload = RankPayload(step, self.topo.rank, snapshot(slots, copy=self.cfg.async_save),
+        # async: the writer's thread copies the tensors, and the optimizer's next update
+        # waits for that copy (the training thread only lists them)
+        gates = getattr(trainer.optimizer, "before_update", None)
+        background = self.cfg.async_save and gates is not None
+        if background and self.writer.wait_copied not in gates:
+            gates.append(self.writer.wait_copied)
+        payload = RankPayload(step, self.topo.rank, snapshot(slots, copy=self.cfg.async_save) if not background
+                              else [Slot(s.name, s.placement, s.tensor.detach(), s.flat) for s in slots],
                               meta, fields)
-        self.writer.save(payload)
+        self.writer.save(payload, copy_in_background=background)
         self._last_saved = step
 
     def finish(self, trainer) -> None:

@@ -21,7 +21,10 @@ pointing at a complete folder; a ``.tmp-`` folder is never read and a later save
 it once it is certainly dead (:func:`.room.dead_leftovers`). With ``async_save`` the
 tensors are first copied to host memory, and a background thread does the rest (over its
 own gloo group, so training collectives are not disturbed) while training continues; the
-next save (or the end of training) waits for it.
+next save (or the end of training) waits for it. The copy itself runs on that thread too
+(``copy_in_background``): the training thread only lists the tensors and goes on with the
+next step's forward and backward, which read the weights; the optimizer's update, the
+first thing to write them, waits for the copy (:meth:`CheckpointWriter.wait_copied`).
 """
 
 from __future__ import annotations
@@ -203,23 +206,39 @@ class CheckpointWriter:
         self.keep, self.token, self.async_save = keep, token, async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._copied = threading.Event()  # the background save's host copy is done
+        self._copied.set()
         # When this run started by the checkpoint filesystem's clock: leftovers not
         # modified since are dead (.room). Only rank 0 clears leftovers.
         self.started = filesystem_now(self.root) if rank == 0 else 0.0
         self.log = lambda line: print(line, flush=True)
 
-    def save(self, payload: RankPayload) -> None:
-        """Write ``payload`` (this rank's part of step ``payload.step``); collective."""
+    def save(self, payload: RankPayload, copy_in_background: bool = False) -> None:
+        """Write ``payload`` (this rank's part of step ``payload.step``); collective.
+        ``copy_in_background`` (async saves): the payload's tensors are the training's own,
+        copied to host memory by the background thread first; the caller must not change
+        them before :meth:`wait_copied` returns."""
         self.wait()
         if not self.async_save:
             self._save(payload)
             return
-        self._thread = threading.Thread(target=self._run, args=(payload,), daemon=True,
-                                        name=f"p3d-checkpoint-{payload.step}")
+        if copy_in_background:
+            self._copied.clear()
+        self._thread = threading.Thread(target=self._run, args=(payload, copy_in_background),
+                                        daemon=True, name=f"p3d-checkpoint-{payload.step}")
         self._thread.start()
 
-    def _run(self, payload: RankPayload) -> None:
+    def wait_copied(self) -> None:
+        """Block until the background save no longer reads the training's tensors."""
+        self._copied.wait()
+
+    def _run(self, payload: RankPayload, copy: bool) -> None:
         try:
+            if copy:
+                try:
+                    payload.slots = snapshot(payload.slots, copy=True)
+                finally:
+                    self._copied.set()
             self._save(payload)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait() on the main thread
             self._error = e

@@ -85,7 +85,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
     """
 
     def __init__(self, params, cfg: TrainConfig, topo: Topology, *, stage: ZeroStage = 1,
-                 bucket_mb: float = 25.0, offload: bool = False,
+                 bucket_mb: float = 25.0, offload: bool = False, reduce_dtype: str = "fp32",
                  model: torch.nn.Module | None = None, timeline=None,
                  device: torch.device | None = None, dtype: torch.dtype | None = None):
         if stage not in typing.get_args(ZeroStage):  # a caller other than the config's
@@ -118,7 +118,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self._build_buffers(device, param_dtype, state_device, model if meta else None)
         if not meta:
             self.take_masters()
-        self.reducer = GradReducer(self.params, self.layout, topo, stage, device)
+        self.reducer = GradReducer(self.params, self.layout, topo, stage, device, reduce_dtype)
         if timeline is not None:
             self.reducer.on_issue = lambda b: timeline.instant(f"reduce bucket {b}", bucket=b)
         self._build_norm_runs()
@@ -128,6 +128,9 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self._gathers: dict[int, object] = {}
         self._build_adam(state_device)
         self._overlap_gather = model is not None
+        # called before apply() changes a weight or a moment: a background checkpoint
+        # copying them from the training thread's tensors (CheckpointWriter.wait_copied)
+        self.before_update: list = []
         if model is not None and self.shards_over_dp and self.dp_group is not None:
             self._hook_forward(model)
 
@@ -269,6 +272,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
     def apply(self, lr: float, norm: torch.Tensor, skip: bool = False) -> None:
         if skip or not math.isfinite(float(norm)):  # same norm on every rank: all skip
             return
+        for gate in self.before_update:  # a checkpoint still copying the weights (async save)
+            gate()
         grad = self.reducer.shard
         coef = clip_factor(norm, self.cfg.grad_clip)
         if coef is not None:
