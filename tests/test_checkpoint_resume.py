@@ -117,3 +117,65 @@ def test_stop_on_a_non_finite_step_saves_through_the_hook(corpus_dir, tmp_path):
     assert resumed.step == 2  # the last good step; the stopped step's batch comes next
     assert resumed.sampler.consumed == 2 * job["train"]["global_batch"]
     assert all(torch.equal(a, b) for a, b in zip(good, resumed.model.parameters()))
+
+
+def _hashes_on_resume(job: dict) -> list[str]:
+    """dp 2 (ZeRO 1): train to step 2 (checkpointed), then resume, counting the files this
+    rank hashes while loading."""
+    from parallel3d.checkpoint import reader
+
+    cfg = config_from_dict(job)
+    Trainer(cfg, Topology(1, 1, 2)).fit(stop_at=2)
+    hashed, sha256 = [], reader.file_sha256
+
+    def counting(path, *args, **kwargs):
+        hashed.append(path.name)
+        return sha256(path, *args, **kwargs)
+
+    reader.file_sha256 = counting
+    try:
+        trainer = Trainer(config_from_dict(job), Topology(1, 1, 2))
+        files = sorted(trainer.checkpointer.reader.index.files)
+        trainer.release()
+    finally:
+        reader.file_sha256 = sha256
+    assert trainer.step == 2
+    # a flipped byte in the file rank 1 checks: every rank refuses, with the same message
+    import torch.distributed as dist
+
+    from parallel3d.checkpoint.errors import CheckpointError
+
+    folder = trainer.checkpointer.reader.folder
+    if dist.get_rank() == 0:
+        with open(folder / files[1], "r+b") as f:
+            f.seek(-1, 2)
+            last = f.read(1)
+            f.seek(-1, 2)
+            f.write(bytes([last[0] ^ 1]))
+    dist.barrier()
+    try:
+        Trainer(config_from_dict(job), Topology(1, 1, 2))
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    return [hashed, files, refused]
+
+
+def test_a_resume_hashes_each_file_once_among_the_ranks(corpus_dir, tmp_path):
+    """Issue 30, point 5: every file's sha256 is checked by one rank, the findings agreed,
+    before any is read (before, each rank hashed every file it read: the replicated ones
+    and the rank JSON of rank 0 twice at dp 2, dp times at dp N)."""
+    from parallel3d.testing import ProcessGroupPool
+
+    from helpers import POOL_START
+
+    job = tiny_job(corpus_dir, str(tmp_path), parallel={"dp": 2, "zero": 1}, train={"steps": 4},
+                   checkpoint={"interval": 2})
+    pool = ProcessGroupPool(2, timeout=180, start_method=POOL_START)
+    try:
+        (hashed0, files, refused0), (hashed1, _, refused1) = pool.run(_hashes_on_resume, job)
+    finally:
+        pool.close()
+    assert sorted(hashed0 + hashed1) == files, (hashed0, hashed1, files)  # each once
+    assert abs(len(hashed0) - len(hashed1)) <= 1  # split evenly
+    assert refused0 == refused1 and f"{files[1]} does not match the sha256" in refused0, (refused0, refused1)

@@ -148,6 +148,8 @@ class Checkpointer:
         placements = param_placements(model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp)
         if found is not None:
             self.reader = found
+            if isinstance(found, CheckpointReader):  # each file hashed once in the world, agreed
+                found.verify_shared(self.topo.rank, self.topo.world_size, self.group)
             saved = found.index.model if isinstance(found, CheckpointReader) else model_identity(found.model_config)
             check_same_model(saved, model_identity(self.model_cfg), found.folder)
             source = found

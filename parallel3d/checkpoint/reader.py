@@ -99,6 +99,7 @@ class CheckpointReader:
         self.verify = verify
         self._open: dict[str, SafetensorsFile] = {}
         self._checked: set[str] = set()
+        self._hashed: set[str] = set()  # sha256 checked by some rank (verify_shared)
 
     # -- files -----------------------------------------------------------------------------
     def _path(self, name: str) -> Path:
@@ -121,7 +122,7 @@ class CheckpointReader:
         if size != rec["size"]:
             raise CheckpointError(f"{path} has {size} bytes but {INDEX} records {rec['size']}: "
                                   "the file is truncated or altered; refusing to load it")
-        if self.verify:
+        if self.verify and name not in self._hashed:
             _, digest = file_sha256(path)
             if digest != rec["sha256"]:
                 raise CheckpointError(f"{path} does not match the sha256 recorded in {INDEX}: "
@@ -255,6 +256,34 @@ class CheckpointReader:
             if digest != rec["sha256"]:
                 raise CheckpointError(f"{path} does not match the sha256 recorded in {INDEX}: "
                                       "the file is corrupted or altered; refusing to load it")
+
+    def verify_shared(self, rank: int, world_size: int, group=None) -> None:
+        """Check every file once among ``world_size`` ranks, before any is used: rank r
+        hashes the files ``sorted(names)[r::world_size]`` (size and sha256), then the ranks
+        exchange what they found over ``group`` (a gloo group; all_gather_object) and every
+        rank raises the same :class:`CheckpointError` if any file failed. Afterwards a
+        rank's reads check sizes only. Each file is hashed once in the world instead of by
+        every rank that reads it (at dp 64 a replicated file was hashed 64 times); the
+        ranks must see the same folder (a shared filesystem, as the writer requires)."""
+        names = sorted(self.index.files)
+        error = None
+        if self.verify:
+            for name in names[rank::world_size]:
+                try:
+                    self.check_file(name)
+                except CheckpointError as e:
+                    error = str(e)
+                    break
+        found = [error]
+        if group is not None and world_size > 1:
+            import torch.distributed as dist
+
+            found = [None] * world_size
+            dist.all_gather_object(found, error, group=group)
+        bad = next((e for e in found if e), None)
+        if bad is not None:
+            raise CheckpointError(bad)
+        self._hashed.update(names)
 
     def verify_all(self) -> None:
         """Check every file of the checkpoint (size and sha256)."""
