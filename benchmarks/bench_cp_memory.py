@@ -16,9 +16,9 @@ the model and the optimizer.
 
 The longest sequence under a limit: a measured-peak threshold (a configuration fits when
 every rank's peak stays under the limit; no RLIMIT_AS, which counts address space that
-torch and glibc reserve without touching), searched by doubling then bisection over
-multiples of 1024 tokens: a straight line through a layout's two measured peaks predicts
-where it meets the limit (``--limit-mib``, 480 MiB: cp 1 then fits a few thousand
+torch and glibc reserve without touching), over multiples of 1024 tokens at cp 4 and of
+256 at cp 1 (the same ~6 MiB of a rank's memory): a straight line through a layout's two
+measured peaks predicts where it meets the limit (``--limit-mib``, 480 MiB: cp 1 then fits a few thousand
 tokens), and probes from there, one step at a time, find a length that fits next to one
 that does not.
 """
@@ -181,8 +181,10 @@ def run(seq_len: int, comms: list[str], limit_mib: float, max_bytes: int, smoke:
     for cp, comm in layouts:
         guess = max(step, min(predict(peaks[(cp, comm, short)], peaks[(cp, comm, seq_len)], limit), 8 * seq_len))
         log(f"  longest under {limit / MiB:.0f} MiB, cp {cp} {comm}: the fit predicts {guess}")
+        # steps of equal memory: a rank at cp holds 1/cp of the sequence, so 1024 tokens
+        # at cp 4 weigh about what 256 do at cp 1 (~6 MiB here)
         longest[(cp, comm)] = longest_fitting(lambda s: measure(cp, comm, s, max_bytes, model)["peak"],
-                                              limit, guess, step, log, max_probes)
+                                              limit, guess, max(2 * cp, step * cp // 4), log, max_probes)
     return {"peaks": peaks, "longest": longest, "limit": limit, "short": short, "seq_len": seq_len,
             "comms": comms, "model": model}
 
