@@ -31,7 +31,7 @@ from parallel3d.errors import UserError, did_you_mean
 
 from parallel3d.config_choices import (  # noqa: F401 - the choices are part of this module's API
     AutoOnOff, Backend, CpComm, DataSource, Dtype, HostMemory, LinearBackend, OnNonfinite, Packing, Recompute,
-    Schedule, ZeroStage, checks_choices, choice)
+    ReduceDtype, Schedule, ZeroStage, checks_choices, choice)
 
 
 @dataclass
@@ -95,6 +95,9 @@ class ParallelConfig:
     zero: ZeroStage = 0
     offload_optimizer: bool = False  # zero >= 1: master weights, moments and the Adam step on CPU
     bucket_mb: float = 25.0  # zero >= 1: fp32 gradient bucket size for reduce-scatter/all-gather
+    # the dtype data-parallel gradient reductions send: fp32, or bf16 (half the bytes; each
+    # contribution rounded to bf16, a relative 2^-8, summed into fp32 where the backend lets)
+    reduce_dtype: ReduceDtype = "fp32"
 
     def __post_init__(self) -> None:  # run by checks_choices, after the schedule was checked
         if self.virtual_stages is None:

@@ -265,6 +265,20 @@ class _Done:
         return True
 
 
+class _CopyOnWait:
+    """A reduce-scatter into a temporary of the wire's dtype, copied (upcast) into ``out``."""
+
+    def __init__(self, work, tmp: torch.Tensor, out: torch.Tensor):
+        self.work, self.tmp, self.out = work, tmp, out
+
+    def wait(self) -> bool:
+        if self.tmp is not None:
+            self.work.wait()
+            self.out.copy_(self.tmp)
+            self.tmp = None
+        return True
+
+
 class _SumOnWait:
     """A gloo reduce-scatter in flight: the all-to-all's wait, then the local sum."""
 
@@ -274,7 +288,8 @@ class _SumOnWait:
     def wait(self) -> bool:
         if self.received is not None:
             self.work.wait()
-            torch.sum(self.received.view(self.n_ranks, -1), dim=0, out=self.out)
+            # in out's dtype: bf16 copies summed in fp32 (parallel.reduce_dtype = "bf16")
+            torch.sum(self.received.view(self.n_ranks, -1), dim=0, dtype=self.out.dtype, out=self.out)
             self.received = None
         return True
 
@@ -282,7 +297,9 @@ class _SumOnWait:
 def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group, async_op: bool = False):
     """``out`` <- this rank's ``1/p`` slice of the sum over ``group`` of the 1-D ``flat``
     (``flat.numel() == p * out.numel()``); ``async_op`` returns a handle with ``wait()``,
-    after which ``out`` holds the result.
+    after which ``out`` holds the result. ``flat`` may be of a narrower dtype than ``out``
+    (bf16 on the wire, fp32 out): gloo sums the received copies in ``out``'s dtype, NCCL
+    sums in ``flat``'s and the result is upcast into ``out``.
 
     NCCL runs its reduce-scatter. gloo has none of its own (ProcessGroupGloo's
     reduce-scatter all-reduces a copy of the input), so there each rank receives every
@@ -298,6 +315,14 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group, async_op: 
         return _Done() if async_op else None
     check_device(flat, group)
     if dist.get_backend(group) != "gloo":
+        if out.dtype != flat.dtype:
+            tmp = torch.empty(out.shape, dtype=flat.dtype, device=out.device)
+            work = _reduce_scatter_single(tmp, flat, group=group, async_op=async_op)
+            pending = _CopyOnWait(work if async_op else _Done(), tmp, out)
+            if async_op:
+                return pending
+            pending.wait()
+            return None
         work = _reduce_scatter_single(out, flat, group=group, async_op=async_op)
         return work
     received = torch.empty_like(flat)

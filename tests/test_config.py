@@ -114,10 +114,12 @@ def test_each_choice_is_what_the_code_dispatching_on_it_handles():
     from parallel3d.models.llama.parallelize import RECOMPUTE
     from parallel3d.pipeline.schedules import SCHEDULES
     from parallel3d.train.optim import STORAGE_DTYPES
+    from parallel3d.zero.grads import REDUCE_DTYPES
 
     tables = {"parallel.schedule": [SCHEDULES], "parallel.linear_backend": [BACKENDS],
               "train.recompute": [RECOMPUTE, RECOMPUTE_FLOPS], "train.dtype": [STORAGE_DTYPES],
-              "data.packing": [PACKINGS], "launch.host_memory": [HOST_MEMORY]}
+              "data.packing": [PACKINGS], "launch.host_memory": [HOST_MEMORY],
+              "parallel.reduce_dtype": [REDUCE_DTYPES]}
     # dispatched by comparing with one or two of the values, not through a table
     branches = {"parallel.zero", "parallel.cp_comm", "data.source", "launch.backend", "observability.progress",
                 "reliability.on_nonfinite", "reliability.watchdog"}

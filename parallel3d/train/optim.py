@@ -70,4 +70,5 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
     pass; ``timeline`` records the optimizer's collective waits."""
     return ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
                          bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
+                         reduce_dtype=parallel_cfg.reduce_dtype,
                          model=model, timeline=timeline, device=device, dtype=dtype)

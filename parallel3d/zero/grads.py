@@ -29,7 +29,15 @@ collectives in the same order (NCCL requires it). At most :data:`MAX_INFLIGHT` r
 are in flight: issuing another first finishes the oldest (on NCCL a stream wait, the host
 goes on; on gloo the host waits), so the transient buffers of the reductions (stage 2's
 packed buckets, gloo's receive buffers) stay within two buckets. Either way gradients
-are accumulated and reduced in fp32, whatever the parameter dtype.
+are accumulated in fp32, whatever the parameter dtype, and reduced in fp32 by default.
+
+``reduce_dtype = "bf16"`` (``parallel.reduce_dtype``) sends each bucket as a bf16 copy of
+its fp32 values: half the bytes on the wire. Each contribution is rounded once to bf16 (a
+relative error of at most 2^-8). A reduce-scatter (stages 1 and 2) sums what it receives
+into the fp32 shard: on gloo the all-to-all's copies are summed locally in fp32; NCCL's
+reduce-scatter sums in bf16 (dp-1 more roundings along its ring) and the result is added
+into fp32. Stage 0's all-reduce sums in bf16 on either backend and copies the result into
+the fp32 buffer. Accumulation over micro-batches stays in fp32 (the buffer or the shard).
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from parallel3d.distributed import reduce_scatter_flat
 from .buckets import BucketLayout
 
 MAX_INFLIGHT = 2  # bucket reductions in flight at once (see the module docstring)
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.reduce_dtype
 
 
 class _Reduction:
@@ -54,16 +63,20 @@ class _Reduction:
     NCCL's own, an all-to-all and a local sum on gloo)."""
 
     def __init__(self, bucket_flat: torch.Tensor, dest: torch.Tensor, accumulate: bool, group,
-                 all_reduce: bool):
+                 all_reduce: bool, wire_dtype: torch.dtype = torch.float32):
         self.dest, self.accumulate = dest, accumulate
         in_place = dest.data_ptr() == bucket_flat.data_ptr() and dest.numel() == bucket_flat.numel()
+        if group is not None and wire_dtype != bucket_flat.dtype:
+            bucket_flat = bucket_flat.to(wire_dtype)  # what crosses the wire (the only copy)
+            in_place = False
         if group is None:
             self.work, self.result = None, dest if in_place else bucket_flat
         elif all_reduce:
-            assert in_place and not accumulate, "stage 0 reduces each bucket once, in place"
-            self.result = dest
-            self.work = dist.all_reduce(dest, group=group, async_op=True)
+            assert not accumulate, "stage 0 reduces each bucket once"
+            self.result = dest if in_place else bucket_flat  # a bf16 copy: copied back on finish
+            self.work = dist.all_reduce(self.result, group=group, async_op=True)
         else:
+            # into fp32 (gloo sums the received bf16 copies in it; NCCL upcasts its bf16 sum)
             self.result = torch.empty_like(dest) if accumulate else dest
             self.work = reduce_scatter_flat(self.result, bucket_flat, group, async_op=True)
         self._keep = bucket_flat  # alive until the collective is done
@@ -90,8 +103,9 @@ class GradReducer:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], layout: BucketLayout, topo,
-                 stage: int, device: torch.device):
+                 stage: int, device: torch.device, reduce_dtype: str = "fp32"):
         self.params, self.layout, self.stage = params, layout, stage
+        self.wire_dtype = REDUCE_DTYPES[reduce_dtype]
         replicas = topo.replicas()  # dp x cp: ranks holding the same weights
         self.dp = replicas.size
         self.shard_rank = replicas.rank if stage > 0 else 0
@@ -218,7 +232,7 @@ class GradReducer:
         if self.on_issue is not None:
             self.on_issue(b)
         red = _Reduction(bucket_flat, self.shard_views[b], self._accumulated[b], self.group,
-                         all_reduce=self.stage == 0)
+                         all_reduce=self.stage == 0, wire_dtype=self.wire_dtype)
         self._accumulated[b] = True
         self._issued[b] = True
         self._inflight.append((b, red))

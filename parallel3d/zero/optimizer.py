@@ -85,7 +85,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
     """
 
     def __init__(self, params, cfg: TrainConfig, topo: Topology, *, stage: ZeroStage = 1,
-                 bucket_mb: float = 25.0, offload: bool = False,
+                 bucket_mb: float = 25.0, offload: bool = False, reduce_dtype: str = "fp32",
                  model: torch.nn.Module | None = None, timeline=None,
                  device: torch.device | None = None, dtype: torch.dtype | None = None):
         if stage not in typing.get_args(ZeroStage):  # a caller other than the config's
@@ -118,7 +118,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self._build_buffers(device, param_dtype, state_device, model if meta else None)
         if not meta:
             self.take_masters()
-        self.reducer = GradReducer(self.params, self.layout, topo, stage, device)
+        self.reducer = GradReducer(self.params, self.layout, topo, stage, device, reduce_dtype)
         if timeline is not None:
             self.reducer.on_issue = lambda b: timeline.instant(f"reduce bucket {b}", bucket=b)
         self._build_norm_runs()
