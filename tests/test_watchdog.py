@@ -164,3 +164,27 @@ def test_a_step_of_40_micro_batches_is_not_a_hang(corpus_dir, tmp_path):
         trainer.release()
     assert took > 8.0, took  # the step did outlast the limit
     assert not reported, (tmp_path / "failure_rank0.txt").read_text()
+
+
+def test_the_watchdog_counts_a_pass_the_device_completes_as_progress():
+    """On CUDA a pass records an event (CommWatch.progress) and the watchdog counts it
+    when the device has completed it (Event.query, no synchronisation): the host, blocked
+    at the step's loss, entered its last operation long ago while the device still works
+    through the micro-batches. Fake events stand in for CUDA's here."""
+    class FakeEvent:
+        done = False
+
+        def query(self):
+            return self.done
+
+    watch = CommWatch(Topology.single(), 0.5, 0.1)
+    watch.enter("step all-reduce", "world")
+    first, second = FakeEvent(), FakeEvent()
+    watch._marks.extend([first, second])
+    time.sleep(0.6)
+    assert watch.stalled()  # no pass completed since the host's last operation
+    first.done = True
+    assert not watch.stalled()  # the device completed a pass: progress
+    time.sleep(0.6)
+    assert watch.stalled()  # the next one never completes: a hang after all
+    assert list(watch._marks) == [second]
