@@ -258,16 +258,25 @@ def run(seq: int, rounds: int, model_kw: dict, log=print) -> dict:
             "raw": {"attention": attn, "step": step}}
 
 
+def paired(raw: list[float], ref: list[float]) -> str:
+    """The median of the per-round ratios (each against the reference measured in the
+    same round) and their range: steadier than a ratio of medians on a shared machine."""
+    ratios = sorted(a / b for a, b in zip(raw, ref))
+    return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+
+
 def table(res: dict, seq: int, rounds: int, model_kw: dict) -> str:
-    a, s, losses = res["attention"], res["step"], res["losses"]
+    a, s, losses, raw = res["attention"], res["step"], res["losses"], res["raw"]
     ref_loss = losses["cp 1 (1 thread)"]
     lines = [f"S = {seq} tokens, micro-batch 1, model {model_kw}, fp32, 2 gloo ranks x 1 thread; "
-             f"median of {rounds} alternating rounds (slower rank)", "",
-             "| side | attention fwd+bwd ms | vs Ulysses | step ms | vs Ulysses | vs cp 1 (2 threads) | first loss |",
+             f"median of {rounds} alternating rounds (slower rank); ratios: median of the per-round "
+             "ratios (range)", "",
+             "| side | attention fwd+bwd ms | vs Ulysses | step ms | vs Ulysses | vs cp 1 (1 thread) | first loss |",
              "|---|---|---|---|---|---|---|"]
     for side in ATTN_SIDES:
-        lines.append(f"| {side} | {a[side]:.0f} | {a[side] / a['ulysses']:.2f} | {s[side]:.0f} | "
-                     f"{s[side] / s['ulysses']:.2f} | {s[side] / s['cp 1 (2 threads)']:.2f} | {losses[side]:.6f} |")
+        lines.append(f"| {side} | {a[side]:.0f} | {paired(raw['attention'][side], raw['attention']['ulysses'])} | "
+                     f"{s[side]:.0f} | {paired(raw['step'][side], raw['step']['ulysses'])} | "
+                     f"{paired(raw['step'][side], raw['step']['cp 1 (1 thread)'])} | {losses[side]:.6f} |")
     worst = max(abs(v - ref_loss) / abs(ref_loss) for v in losses.values())
     lines += ["", f"first losses agree to {worst:.1e} (relative; every side the same model, weights and tokens)"]
     return "\n".join(lines)
