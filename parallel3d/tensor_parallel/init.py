@@ -48,21 +48,36 @@ def stream_key(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=16).digest(), "little")
 
 
-def normal_run(key: int, start: int, count: int) -> torch.Tensor:
-    """The N(0, 1) values of flat elements ``[start, start + count)`` of the stream
-    ``key``, as float64 (see the module docstring). Works in place on two buffers of
-    ``2 * count`` words (the raw draws, then the uniforms): 32 bytes per element."""
+def _draws(gen: np.random.Philox, start: int, count: int) -> np.ndarray:
+    """The raw 64-bit draws ``2 start .. 2 (start + count) - 1`` of ``gen``'s stream (its
+    key), the generator moved to their counter (as ``Philox(key, counter)`` would start)."""
     first = 2 * start  # element n uses draws 2n and 2n + 1
-    gen = np.random.Philox(key=key, counter=first // 4)
-    raw = gen.random_raw(first % 4 + 2 * count)[first % 4:]
+    state = gen.state
+    state["state"]["counter"][:] = (first // 4, 0, 0, 0)
+    state["buffer_pos"] = 4  # nothing buffered: the next draw is word 0 of the counter
+    gen.state = state
+    return gen.random_raw(first % 4 + 2 * count)[first % 4:]
+
+
+def _to_normal(raw: np.ndarray) -> torch.Tensor:
+    """Box-Muller of the raw draws (pairs per element) in place, as float64 values."""
+    count = raw.size // 2
     np.right_shift(raw, np.uint64(40), out=raw)  # the top 24 bits of each draw
     u = torch.from_numpy(raw.view(np.int64)).double().view(count, 2)
-    del raw
     u.add_(0.5).mul_(2.0 ** -24)
     u0, u1 = u[:, 0], u[:, 1]
     u0.log_().mul_(-2.0).sqrt_()
     u1.mul_(2.0 * math.pi).cos_()
     return u0.mul_(u1)
+
+
+def normal_run(key: int, start: int, count: int) -> torch.Tensor:
+    """The N(0, 1) values of flat elements ``[start, start + count)`` of the stream
+    ``key``, as float64 (see the module docstring). Works in place on two buffers of
+    ``2 * count`` words (the raw draws, then the uniforms): 32 bytes per element."""
+    return _to_normal(_draws(np.random.Philox(key=key, counter=0), start, count))
+
+
 def _runs(full_shape, dim, start, shape):
     """``(flat start in the full tensor, count, flat start in the block)`` of the
     contiguous runs that make up the block ``shape`` starting at ``start`` along
@@ -100,10 +115,15 @@ def _groups(runs, chunk: int):
 
 def _group_values(key: int, pieces, std: float, dtype: torch.dtype) -> torch.Tensor:
     """One group's values, scaled and in ``dtype`` (host): ``(N(0, 1) * std).to(dtype)``
-    in float64, as before the values were computed in parallel (bit for bit)."""
-    runs = [normal_run(key, src, n) for src, n in pieces]
-    values = torch.cat(runs) if len(runs) > 1 else runs[0]
-    return values.mul_(std).to(dtype)
+    in float64, element by element as :func:`normal_run` computes them (bit for bit). The
+    pieces' raw draws (one per row of a row-parallel block) are gathered first and
+    transformed together: one generator and one pass of torch operations per group."""
+    gen = np.random.Philox(key=key, counter=0)
+    if len(pieces) == 1:
+        raw = _draws(gen, *pieces[0])
+    else:
+        raw = np.concatenate([_draws(gen, src, n) for src, n in pieces])
+    return _to_normal(raw).mul_(std).to(dtype)
 
 
 def _workers() -> int:
