@@ -29,7 +29,8 @@ def _cli(*args, timeout=120):
     # every layout problem in the one line: the world size and the heads tp 3 cannot split
     (["--parallel.tp=3"], "world size 8 != tp*cp*pp*dp = 3*1*2*2 = 12: change parallel.tp/cp/pp/dp "
      "or the number of processes (launch.nproc); model.n_heads 4 is not divisible by parallel.tp 3"),
-    (["--parallel.cp=2", "--parallel.dp=1"], "parallel.cp 2: context parallelism is not yet wired"),
+    (["--parallel.cp=2", "--parallel.dp=1", "--train.seq_len=30"],
+     "train.seq_len 30 does not split into 2 x parallel.cp = 4 equal chunks"),
 ])
 def test_bad_input_exits_2_with_one_line(args, needle, tmp_path):
     proc, cpu_s = _cli("train", f"--run.dir={tmp_path}", *args)

@@ -18,7 +18,7 @@ from parallel3d.flops import hardware_flops_per_token, mfu, model_flops_per_toke
 from parallel3d.models.llama import PRESETS, Llama, LlamaConfig
 from parallel3d.planner.calibrate import calibrate_from_run, default_efficiency
 from parallel3d.planner.hardware import GiB, gpu_named
-from parallel3d.planner.memory import backward_moments, in_flight, stage_memory
+from parallel3d.planner.memory import backward_moments, cp_transient_bytes, in_flight, stage_memory
 from parallel3d.planner.published import ANCHOR, PUBLISHED, gpt
 from parallel3d.planner.search import evaluate, recommend, search
 from parallel3d.models.llama import config_from_preset as _preset
@@ -81,16 +81,19 @@ def test_activations_by_hand_and_schedules_in_flight():
     # the two projections' inputs, rotated q, the attention output) + 2 kv-wide (rotated k,
     # v) + 3 ffn-wide (gate, up, their SwiGLU product) tensors plus the log-sum-exp (heads)
     # and two rsqrt per token; head: the final norm's input and the head's input + the
-    # log-softmax output (the logits are freed once the loss is computed), and two V-wide
-    # gradients at the start of the backward. The fp32 gradient buffer exists from the
-    # start: no gradient grows during the backward.
+    # logits the vocab-parallel loss saves (at tp 1 too) and its two per-token fp32
+    # vectors (max, sum) with the targets' int64; its backward writes the gradient over
+    # the logits: nothing more at its start on a GPU, one fp32 row block of the torch
+    # reference on CPU (here all 64 rows: 64 x 512 x 4 bytes < 8 MiB). The fp32 gradient
+    # buffer exists from the start: no gradient grows during the backward.
     work = Workload(SMALL, 32, 2, "fp32")
     mem = stage_memory(work, Layout(micro_batch=2), 0)
     tokens = 64
     layer = tokens * 4 * (6 * 64 + 2 * 32 + 3 * 160 + 4 + 2)
-    head = tokens * 4 * (2 * 64 + 512 + 1)
+    head = tokens * (4 * (2 * 64 + 512) + 16)
     assert mem.activations == 2 * layer + head
-    assert mem.backward_transient == tokens * 8 * 512
+    assert mem.backward_transient == 0
+    assert stage_memory(work, Layout(micro_batch=2), 0, gloo=True).backward_transient == tokens * 4 * 512
     assert mem.grads == mem.full_grads
     lay = Layout(pp=4, micro_batch=1)
     assert [in_flight(lay, 8, r) for r in range(4)] == [4, 3, 2, 1]
@@ -431,7 +434,8 @@ def test_model_states_shard_over_dp_x_cp_and_the_allgather_keeps_the_whole_kv():
     tokens, kv = 8192, 4 * 128
     layer_extra = 3 * 2 * kv * 2
     assert cp.activations - base.activations // 4 == pytest.approx(32 * tokens * layer_extra, rel=1e-3)
-    assert cp.backward_transient >= 2 * 4 * tokens * 2 * kv * 2
+    layout = Layout(tp=2, dp=4, cp=4, zero=2, sequence_parallel=True)
+    assert cp_transient_bytes(work.model, tokens, layout, 2) == 2 * 4 * tokens * 2 * kv * 2
 
 
 def test_kv_traffic_grows_with_cp_as_the_cost_formula_says():

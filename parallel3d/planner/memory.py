@@ -31,11 +31,10 @@ layer at a time in the backward pass; ``selective`` (keep the matmul outputs) ke
 input plus q, k, v, o, gate, up, down.
 
 The last stage also holds, per in-flight micro-batch, the final norm (its input ``a*d/sp``,
-the head's input ``a*d``) and what the loss saves for its backward: with tp = 1 the fp32
-log-softmax output (``4*V``; the logits are freed once the loss is computed), with tp > 1
-the logits shard (``a*V/tp``, the vocab-parallel cross-entropy never stores the softmax).
-At the start of the loss's backward: two more fp32 ``V`` buffers (tp = 1), or one ``V/tp``
-gradient buffer (tp > 1). See :func:`head_activation_bytes`. With recomputation the
+the head's input ``a*d``) and what the loss saves for its backward: the logits shard
+(``a*V/tp``, tp 1 included: the vocab-parallel cross-entropy never stores the softmax, and
+its backward writes the gradient over the logits, so nothing more at the backward's
+start). See :func:`head_activation_bytes`. With recomputation the
 rebuilt layer and the loss's backward buffers are never alive together: the larger counts.
 
 In-flight micro-batches on pipeline rank ``r`` of ``pp`` with ``m`` micro-batches: 1
@@ -200,28 +199,23 @@ def cp_transient_bytes(model, tokens: int, layout: Layout, act: int) -> int:
     return tokens * (kv * (2 * act + 2 * 4) + 4 * model.n_heads * model.head_dim // layout.tp)
 
 
-def head_activation_bytes(model, tokens: int, layout: Layout, act: int) -> tuple[int, int]:
+def head_activation_bytes(model, tokens: int, layout: Layout, act: int, cpu: bool = False) -> tuple[int, int]:
     """(saved, backward-start extra) bytes of the final norm, head and loss.
 
-    The logits themselves are saved only where the loss's backward reads them. With
-    tp = 1 the loss is ``F.cross_entropy`` (``models/llama/parallelize.py``): its
-    log-softmax saves its fp32 output, and the head's matmul saves its input, not its
-    output; the pipeline runtime drops its own reference to the logits as soon as the
-    loss is computed (``runtime._forward`` keeps only the loss), so the logits (and their
-    fp32 copy under bf16) are freed at the end of the forward. At the backward's start
-    two more fp32 buffers exist: the gradient of the log-softmax output (from NLL's
-    backward) and that of its input (log-softmax's backward), while the saved output is
-    still alive. With tp > 1 the vocab-parallel cross-entropy saves the logits shard and
-    two N-vectors, never the softmax, and its backward writes one gradient buffer of the
-    shard's size (in the logits dtype on the fused kernel; the CPU reference computes
-    it in fp32, which differs only under bf16).
+    The loss, at every tp (``models/llama/parallelize.py``: tp 1 is one rank holding
+    every column), is the vocab-parallel cross-entropy: it saves the logits (shard) and two
+    N-vectors, never the softmax, and its backward writes the gradient over the logits
+    (``inplace``), so the backward's start adds nothing on the fused kernel and, on CPU
+    (``cpu``), the torch reference's one fp32 row block (``kernels.cross_entropy``: at most
+    ``REF_BLOCK_BYTES``, whole rows). The head's matmul saves its input, not its output.
     """
+    from parallel3d.kernels.cross_entropy import REF_BLOCK_BYTES
+
     v = -(-model.vocab_size // layout.tp)  # the vocabulary padded to a multiple of tp, per rank
     seq_shard = layout.tp if layout.sequence_parallel else 1
     norm = act * model.dim // seq_shard + act * model.dim  # the final norm's input, the head's input
-    if layout.tp == 1:
-        return tokens * (norm + 4 * v + 4), tokens * 8 * v
-    return tokens * (norm + act * v + 8 + 8), tokens * act * v
+    block = min(tokens, max(1, REF_BLOCK_BYTES // (4 * v))) * 4 * v if cpu else 0
+    return tokens * (norm + act * v + 8 + 8), block
 
 
 def layer_stash_bytes(model, tokens: int, layout: Layout, act: int) -> int:
@@ -370,7 +364,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     # A chunk that is not the last keeps its output in the runtime's stash until its
     # backward (pipeline/runtime.py); autograd itself saves no layer's output.
     stashed = tokens * b["act"] * model.dim // (layout.tp if layout.sequence_parallel else 1)
-    saved, extra = head_activation_bytes(model, tokens, layout, b["act"])
+    saved, extra = head_activation_bytes(model, tokens, layout, b["act"], cpu=gloo)
     chunk_stash = per_chunk_layers * layer_stash_bytes(model, tokens, layout, b["act"])
     head_stash = head_stash_bytes(model, tokens, layout, b["act"])
     best = None

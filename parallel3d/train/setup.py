@@ -169,7 +169,7 @@ def check_new_axes(par) -> None:
 
 def check_context_parallel(par, seq_len: int) -> None:
     """Each sequence cuts into 2 cp equal chunks (head-tail)."""
-    if seq_len % (2 * par.cp):
+    if par.cp > 1 and seq_len % (2 * par.cp):
         raise UserError(f"train.seq_len {seq_len} does not split into 2 x parallel.cp = {2 * par.cp} equal "
                         f"chunks: use a multiple of {2 * par.cp}, or change parallel.cp")
 
