@@ -214,3 +214,19 @@ def test_every_layout_problem_is_named_at_once():
     with pytest.raises(UserError) as err:
         Topology(2, 1, 3, cp=2, ep=2, rank=0, world_size=8)
     assert "tp*cp*pp*dp = 2*2*1*3 = 12" in str(err.value) and "parallel.ep 2 must divide parallel.dp 3" in str(err.value)
+
+
+def test_the_banner_shows_cp_in_the_world_the_grid_and_the_stage_spans():
+    """The banner's world line, rank formula and per-stage rank spans follow the grid with
+    cp (ranks of a stage: dp x cp x tp of them)."""
+    from parallel3d.config import load_config
+    from parallel3d.observe.console import banner
+    from parallel3d.train.setup import resolve_model_config
+
+    cfg = load_config(None, ["--parallel.tp=2", "--parallel.cp=2", "--parallel.pp=2", "--parallel.dp=1",
+                             "--parallel.cp_comm=ring"])
+    lines = banner(cfg, resolve_model_config(cfg.model), 8, [2, 2], "gloo", "fp32", "stdlib")
+    text = "\n".join(lines)
+    assert "8 ranks = tp 2 x cp 2 (ring) x pp 2 x dp 1" in text, text
+    assert "rank = pp_rank * 4 + dp_rank * 4 + cp_rank * 2 + tp_rank" in text, text
+    assert "stage 0: ranks 0-3" in text and "stage 1: ranks 4-7" in text, text

@@ -31,10 +31,11 @@ def _ranks(lo: int, hi: int) -> str:
 
 
 def stage_lines(tp: int, pp: int, dp: int, split: list[int], virtual_stages: int,
-                schedule: str = "1f1b") -> list[str]:
-    """One phrase per pipeline stage: its ranks (pp outermost, then dp, tp innermost:
-    stage s is ranks [s dp tp, (s+1) dp tp)) and its layers. Long pipelines show their
-    first two and last stage."""
+                schedule: str = "1f1b", cp: int = 1) -> list[str]:
+    """One phrase per pipeline stage: its ranks (pp outermost, then dp, cp, tp innermost:
+    stage s is ranks [s dp cp tp, (s+1) dp cp tp)) and its layers. Long pipelines show
+    their first two and last stage."""
+    width = dp * cp * tp
     starts, first = [], 0
     for n in split:
         starts.append((first, first + n - 1))
@@ -47,7 +48,7 @@ def stage_lines(tp: int, pp: int, dp: int, split: list[int], virtual_stages: int
         layers = ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in spans)
         noun = "layer" if len(spans) == 1 and spans[0][0] == spans[0][1] else "layers"
         extra = (" + embedding" if 0 in chunks else "") + (" + head" if chunks_total - 1 in chunks else "")
-        out.append(f"stage {s}: {_ranks(s * dp * tp, (s + 1) * dp * tp - 1)}, {noun} {layers}{extra}")
+        out.append(f"stage {s}: {_ranks(s * width, (s + 1) * width - 1)}, {noun} {layers}{extra}")
     if pp > 4:
         out = out[:2] + [f"... ({pp - 3} more)"] + out[-1:]
     return out
@@ -65,11 +66,17 @@ def banner(cfg, model, world: int, split: list[int], backend: str, dtype: str, d
              f"dim {model.dim}, {model.n_heads} heads{kv}, ffn {model.ffn_dim}, vocab {model.vocab_size}"
              f"{', tied embeddings' if model.tie_embeddings else ''})"]
     nodes = launch.nnodes
-    lines.append(f"  world     {world} ranks = tp {par.tp} x pp {par.pp} x dp {par.dp}, {nodes} node"
+    cp = f" x cp {par.cp} ({par.cp_comm})" if par.cp > 1 else ""
+    ep = f" (ep {par.ep} of dp)" if par.ep > 1 else ""
+    lines.append(f"  world     {world} ranks = tp {par.tp}{cp} x pp {par.pp} x dp {par.dp}{ep}, {nodes} node"
                  f"{'s' if nodes > 1 else ''} x {world // nodes} processes, {backend}, {dtype}")
-    grid = f"rank = pp_rank * {par.dp * par.tp} + dp_rank * {par.tp} + tp_rank (tp innermost, pp outermost)"
+    if par.cp > 1:
+        grid = (f"rank = pp_rank * {par.dp * par.cp * par.tp} + dp_rank * {par.cp * par.tp} + cp_rank * {par.tp} "
+                "+ tp_rank (tp innermost, then cp, dp, pp outermost)")
+    else:
+        grid = f"rank = pp_rank * {par.dp * par.tp} + dp_rank * {par.tp} + tp_rank (tp innermost, pp outermost)"
     lines.append(f"  grid      {grid}")
-    for phrase in stage_lines(par.tp, par.pp, par.dp, split, par.virtual_stages, par.schedule):
+    for phrase in stage_lines(par.tp, par.pp, par.dp, split, par.virtual_stages, par.schedule, par.cp):
         lines.append(f"            {phrase}")
     n_micro = train.global_batch // (train.micro_batch * par.dp)
     extras = [f"ZeRO-{par.zero}" if par.zero else "no ZeRO"]
