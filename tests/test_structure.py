@@ -131,3 +131,19 @@ def test_convert_and_the_model_do_not_import_the_compiler():
             "print(sorted(m for m in ('torch._dynamo', 'torch.nn.attention.varlen') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_every_source_folder_is_a_listed_package():
+    """pyproject lists the subpackages by hand (package-dir maps kernels/, models/,
+    recipes/): a folder of modules left out is missing from a non-editable install (the
+    editable one finds it anyway, so nothing else would notice)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for base, folder in {**PACKAGES, "parallel3d.recipes": "recipes"}.items():
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_dir() and "__pycache__" not in path.parts and any(path.glob("*.py")):
+                found.add(".".join([base, *path.relative_to(ROOT / folder).parts]))
+        found.add(base)
+    assert found <= listed, sorted(found - listed)
