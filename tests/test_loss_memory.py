@@ -21,7 +21,7 @@ def _loss_peak(loss_fn, tokens: int = TOKENS) -> tuple[int, int]:
     model's head output: the one copy that exists before the loss; made here without a
     head, whose bf16 GEMM takes tens of seconds on this CPU)."""
     gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(1, tokens, VOCAB, generator=gen) * 3).to(torch.bfloat16).requires_grad_()
+    logits = torch.randn(1, tokens, VOCAB, generator=gen, dtype=torch.bfloat16).mul_(3).requires_grad_()
     targets = torch.randint(0, VOCAB, (1, tokens), generator=gen)
     with AllocationMeter() as meter:
         loss_fn(logits, targets).backward()
