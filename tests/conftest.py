@@ -69,6 +69,21 @@ def prepared_dir(tmp_path_factory):
     return str(root / "data")
 
 
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory):
+    """Chat data made by prepare-data --format chat: 120 conversations, a ChatML tokenizer
+    (vocabulary below 640); packed whole by default, so documents restart their positions
+    inside a window and only assistant turns are trained on."""
+    from chat_inputs import make_chat_tokenizer, make_conversations, write_jsonl
+    from parallel3d.data.prepare import prepare_data
+
+    root = tmp_path_factory.mktemp("chat")
+    tok = make_chat_tokenizer(root / "tok", "chatml")
+    write_jsonl(root / "in" / "chats.jsonl", make_conversations(120, seed=1))
+    prepare_data([str(root / "in")], tok, root / "data", workers=1, progress=False, format="chat")
+    return str(root / "data")
+
+
 # -- DeepSpeed's CPU Adam, built while the other tests run -----------------------------------
 
 _CPU_ADAM_BUILD = pytest.StashKey[subprocess.Popen]()

@@ -16,7 +16,6 @@ from parallel3d.models.llama.parallelize import cross_entropy_loss
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from chat_inputs import make_chat_tokenizer, make_conversations, write_jsonl
 from helpers import relative_diff, tiny_job
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -76,17 +75,6 @@ def test_vocab_parallel_loss_skips_ignored_targets(pools):
 
 
 # -- one step's loss across layouts ------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory):
-    from parallel3d.data.prepare import prepare_data
-
-    root = tmp_path_factory.mktemp("chat")
-    tok = make_chat_tokenizer(root / "tok", "chatml")
-    write_jsonl(root / "in" / "chats.jsonl", make_conversations(120, seed=1))
-    prepare_data([str(root / "in")], tok, root / "data", workers=1, progress=False, format="chat")
-    return str(root / "data")
-
 
 def _job(data: str, run_dir: str, **parallel) -> dict:
     job = tiny_job("", run_dir, model={"vocab_size": 640, "n_layers": 2},

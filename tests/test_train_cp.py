@@ -62,20 +62,6 @@ def test_context_parallel_trains_as_one_process(pools, corpus_dir, tmp_path, ref
         assert len(vals) == len(ref_vals) == 2 and relative_diff(vals, ref_vals) < 1e-5
 
 
-@pytest.fixture(scope="module")
-def chat_data(tmp_path_factory):
-    """Chat conversations packed whole (``packing = whole``): documents restart their
-    positions inside a window and only assistant turns are trained on."""
-    from chat_inputs import make_chat_tokenizer, make_conversations, write_jsonl
-    from parallel3d.data.prepare import prepare_data
-
-    root = tmp_path_factory.mktemp("chat")
-    tok = make_chat_tokenizer(root / "tok", "chatml")
-    write_jsonl(root / "in" / "chats.jsonl", make_conversations(120, seed=1))
-    prepare_data([str(root / "in")], tok, root / "data", workers=1, progress=False, format="chat")
-    return str(root / "data")
-
-
 def _chat_job(data: str, run_dir: str, **parallel) -> dict:
     job = tiny_job("", run_dir, model={"vocab_size": 640, "n_layers": 2},
                    train={"steps": 4, "global_batch": 8, "micro_batch": 1, "seq_len": 128,
