@@ -131,6 +131,15 @@ class TrainConfig:
 
 
 @dataclass
+class BlendSourceConfig:
+    """One ``[[data.blend]]`` table: a dataset made by ``prepare-data`` and its share."""
+
+    name: str = ""  # names the source in logs and per-source figures (loss/<name>)
+    path: str = ""  # the prepare-data --out directory
+    weight: float = 0.0  # its share of the training tokens; weights are normalised to sum 1
+
+
+@dataclass
 @checks_choices
 class DataConfig:
     # "stdlib": the running Python's standard-library sources, tokenized with a byte-level
@@ -151,6 +160,9 @@ class DataConfig:
     # attention per document), "whole" (whole documents packed and padded, positions and
     # attention per document); "auto": "whole" for chat data, "concat" for plain text.
     packing: Packing = "auto"
+    # Several prepared datasets mixed by weight ([[data.blend]] tables: name, path, weight;
+    # parallel3d/data/blend.py). When set it is read instead of data.path or the stdlib corpus.
+    blend: list[BlendSourceConfig] = field(default_factory=list)
 
 
 @dataclass
@@ -285,6 +297,10 @@ def _coerce(value: Any, tp, where: str) -> Any:
         if not isinstance(value, list):
             raise UserError(f"{where} expects a list, got {value!r}")
         return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):  # a table inside a list ([[data.blend]])
+        if not isinstance(value, dict):
+            raise UserError(f"'{where}' must be a table of keys, got {value!r}")
+        return _build(tp, value, where)
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):

@@ -16,6 +16,8 @@ Chat data and packed documents need more, carried by :class:`MicroBatch`:
   the mean over every supervised token of the global batch, whatever the split into
   micro-batches, stages and ranks. Every rank computes it from the sampler for the whole
   global batch (``PackedWindows.supervised``): no collective;
+* ``sources`` (B,): the ``data.blend`` source of each row (a window holds one source's
+  tokens only), from which per-source losses are summed;
 * ``cu_seqlens`` / ``max_doc_len``: the same documents as spans of the B*S flattened
   tokens (int32 starts and the total, the longest span), computed on the host with the
   batch (:func:`document_spans`) so that a GPU's variable-length attention kernel needs no
@@ -39,11 +41,12 @@ class MicroBatch:
     loss_divisor: float | None = None  # supervised targets of the global batch / dp
     cu_seqlens: torch.Tensor | None = None  # (N+1,) int32: document starts over B*S, then B*S
     max_doc_len: int | None = None  # the longest document span (host int)
+    sources: torch.Tensor | None = None  # (B,) int64: each row's data.blend source; None: one dataset
 
     def _map(self, fn) -> "MicroBatch":
         keep = (lambda t: None if t is None else fn(t))
         return MicroBatch(keep(self.inputs), keep(self.targets), keep(self.positions), self.loss_divisor,
-                          keep(self.cu_seqlens), self.max_doc_len)
+                          keep(self.cu_seqlens), self.max_doc_len, keep(self.sources))
 
     def to(self, device, non_blocking: bool = False) -> "MicroBatch":
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))

@@ -48,4 +48,5 @@ class ContextShardWindows:
         mb = self.windows.micro_batch(idx, divisor)
         # the replicas of a gradient are dp x cp: the divisor (global supervised / dp) / cp
         return MicroBatch(self._shard(mb.inputs), self._shard(mb.targets),
-                          self._positions(mb.inputs, mb.positions), mb.loss_divisor / self.cp)
+                          self._positions(mb.inputs, mb.positions), mb.loss_divisor / self.cp,
+                          sources=mb.sources)

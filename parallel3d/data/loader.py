@@ -27,7 +27,6 @@ import weakref
 import torch
 
 from parallel3d.data.batch import MicroBatch
-from parallel3d.data.packing import PackedWindows
 from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
 
 _DONE = object()
@@ -38,7 +37,7 @@ def step_micro_batches(windows, sampler: GlobalBatchSampler, position: int) -> l
     pairs from :class:`TokenWindows`; from :class:`PackedWindows`, micro-batches carrying
     positions and the loss divisor, the supervised targets of the whole global batch
     (counted by every rank from the sampler, no collective) over dp."""
-    if not isinstance(getattr(windows, "windows", windows), PackedWindows):  # a cp shard wraps them
+    if not hasattr(windows, "supervised"):  # TokenWindows (a cp shard forwards the attribute)
         return [windows.batch(idx) for idx in sampler.indices_at(position)]
     divisor = max(1, windows.supervised(sampler.global_indices_at(position))) / sampler.dp
     return [windows.micro_batch(idx, divisor) for idx in sampler.indices_at(position)]
@@ -126,7 +125,11 @@ class PrefetchLoader:
                 self.close()
                 raise batches
             assert position == self.sampler.consumed, (position, self.sampler.consumed)
+        before = self.sampler.consumed
         self.sampler.consumed += self.sampler.global_batch
+        on_advance = getattr(self.sampler, "on_advance", None)  # a blend logs its sources' epochs
+        if on_advance is not None:
+            on_advance(before, self.sampler.consumed)
         wait = time.perf_counter() - t0
         return [_to(mb, self.device) for mb in batches], wait
 

@@ -13,6 +13,12 @@ The validation split is read by a second sampler whose positions are fixed
 (``[0, eval.batches * G)`` of its own permutation), so every evaluation sees the same
 sequences and its losses are comparable across steps.
 
+``data.blend`` reads several prepared datasets instead (:mod:`parallel3d.data.blend`):
+each source is opened and checked as ``data.path`` would be, packed on its own, and the
+blend's sampler interleaves their windows by weight. Its validation is per source: each
+source's validation split has its own fixed sampler (:meth:`TrainData.source_val_micro_batches`),
+and the blend's own held-out loss reads the sources' validation splits by the same weights.
+
 Every batch's ids are checked against the model's vocabulary before it is built, and the
 shards' sha256 are verified (before training for small data, else in the background):
 :mod:`parallel3d.data.checks`.
@@ -29,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.config import DataConfig, JobConfig
+from parallel3d.data.blend import BlendSampler
+from parallel3d.data.blend_windows import BlendedWindows, check_blend, check_same_tokens
 from parallel3d.data.context_shard import ContextShardWindows
 from parallel3d.data.checks import SMALL_DATA_BYTES, IdRangeCheck, ShardVerifier, dataset_bytes
 from parallel3d.data.format import PreparedDataset, open_dataset
@@ -47,8 +55,11 @@ __all__ = ["EOS", "GlobalBatchSampler", "PrefetchLoader", "TokenWindows", "Train
            "prepare_corpus"]
 
 
-def prepare_corpus(cfg: DataConfig) -> PreparedDataset:
-    """The dataset ``cfg`` names: ``data.path`` opened, or the stdlib corpus prepared."""
+def prepare_corpus(cfg: DataConfig) -> PreparedDataset | None:
+    """The dataset ``cfg`` names: ``data.path`` opened, or the stdlib corpus prepared;
+    None for ``data.blend`` (its sources are prepared datasets: nothing to build)."""
+    if cfg.blend:
+        return None
     if cfg.path:
         return open_dataset(cfg.path)
     return prepare_stdlib(cfg)
@@ -73,6 +84,8 @@ class TrainData:
     device: torch.device
     verifier: ShardVerifier | None = None
     val_check: Callable[[int], None] | None = None
+    # data.blend: each source's validation (windows, sampler, id check), by name
+    val_sources: dict | None = None
 
     def val_micro_batches(self, batch: int) -> list:
         """This rank's micro-batches of validation batch ``batch`` (0-based), on the device."""
@@ -81,6 +94,18 @@ class TrainData:
             self.val_check(position)
         return [mb.to(self.device) if isinstance(mb, MicroBatch) else tuple(t.to(self.device) for t in mb)
                 for mb in step_micro_batches(self.val_windows, self.val_sampler, position)]
+
+    @property
+    def source_names(self) -> list[str]:
+        """The blend's source names (empty for one dataset)."""
+        return list(self.val_sources or getattr(self.windows, "names", []))
+
+    def source_val_micro_batches(self, name: str, batch: int) -> list:
+        """This rank's micro-batches of validation batch ``batch`` of blend source ``name``."""
+        windows, sampler, check = self.val_sources[name]
+        position = batch * sampler.global_batch
+        check(position)
+        return [mb.to(self.device) for mb in step_micro_batches(windows, sampler, position)]
 
 
 def packing_of(cfg: DataConfig, dataset: PreparedDataset) -> str:
@@ -95,11 +120,13 @@ def packing_of(cfg: DataConfig, dataset: PreparedDataset) -> str:
     return packing
 
 
-def make_windows(dataset: PreparedDataset, split: str, seq_len: int, packing: str, what: str):
+def make_windows(dataset: PreparedDataset, split: str, seq_len: int, packing: str, what: str,
+                 packed: bool = False):
     """The samples of ``split``: :class:`TokenWindows` for plain text under "concat" (the
-    path of every earlier version), else :class:`PackedWindows`."""
+    path of every earlier version), else (or when ``packed``: a blend's sources)
+    :class:`PackedWindows`."""
     tokens = dataset.split(split)
-    if packing == "concat" and not dataset.has_loss_mask:
+    if packing == "concat" and not dataset.has_loss_mask and not packed:
         return TokenWindows(tokens, seq_len, what=what)
     starts = dataset.document_starts(split) if dataset.has_documents else None
     mask = dataset.loss_mask(split) if dataset.has_loss_mask else None
@@ -133,7 +160,7 @@ def check_dataset(cfg: JobConfig, dataset: PreparedDataset, model_vocab: int) ->
     if dataset.vocab_size > model_vocab:
         if cfg.model.hf_checkpoint:
             fix = f"prepare the data again with the model's tokenizer (--tokenizer {cfg.model.hf_checkpoint})"
-        elif cfg.data.path:
+        elif cfg.data.path or cfg.data.blend:
             fix = (f"set --model.vocab_size={dataset.vocab_size}, or prepare the data with a tokenizer "
                    f"of at most {model_vocab} tokens")
         else:
@@ -145,7 +172,7 @@ def check_dataset(cfg: JobConfig, dataset: PreparedDataset, model_vocab: int) ->
     return packing_of(cfg.data, dataset)
 
 
-def validation_windows(cfg: JobConfig, dataset: PreparedDataset, packing: str):
+def validation_windows(cfg: JobConfig, dataset: PreparedDataset, packing: str, packed: bool = False):
     """The validation split's windows (not yet cut for a cp rank), None when evaluation is
     off; raises :func:`validation_too_small` when it holds fewer than eval.batches global
     batches."""
@@ -155,7 +182,7 @@ def validation_windows(cfg: JobConfig, dataset: PreparedDataset, packing: str):
     need = cfg.eval.batches * train.global_batch
     windows, have = None, max(0, (len(dataset.split("val")) - 1) // train.seq_len)
     if have:
-        windows = make_windows(dataset, "val", train.seq_len, packing, "the validation split")
+        windows = make_windows(dataset, "val", train.seq_len, packing, "the validation split", packed)
         have = windows.num_samples
     if have < need:
         raise validation_too_small(cfg, dataset, have, need)
@@ -218,6 +245,10 @@ class DataFacts:
 def check_data(cfg: JobConfig, model_vocab: int, dataset: PreparedDataset | None = None) -> DataFacts:
     """Every check :func:`build_train_data` makes before the first step, without a loader,
     a verifier or a process group: the dry run's and the launching process's data check."""
+    if cfg.data.blend:
+        blend = open_blend(cfg, model_vocab)
+        return DataFacts(sum(len(d.split("train")) for d in blend.datasets),
+                         sum(len(d.split("val")) for d in blend.datasets), blend.train.num_samples)
     dataset = dataset or prepare_corpus(cfg.data)
     packing = check_dataset(cfg, dataset, model_vocab)
     windows = make_windows(dataset, "train", cfg.train.seq_len, packing, "the training split")
@@ -225,8 +256,103 @@ def check_data(cfg: JobConfig, model_vocab: int, dataset: PreparedDataset | None
     return DataFacts(len(dataset.split("train")), len(dataset.split("val")), windows.num_samples)
 
 
+@dataclass
+class OpenedBlend:
+    """A checked ``data.blend``: its sources' datasets, the packing, the training windows
+    (:class:`BlendedWindows`) and each source's validation windows (None: no evaluation)."""
+
+    names: list[str]
+    weights: list[float]
+    datasets: list[PreparedDataset]
+    packing: str
+    train: BlendedWindows
+    val: list | None
+
+
+def _blend_packing(cfg: DataConfig, datasets: list[PreparedDataset], names: list[str]) -> str:
+    """One packing for every source: ``data.packing``, or for "auto" "whole" when any
+    source is chat data (a loss mask), else "concat"."""
+    packing = cfg.packing
+    if packing == "auto":
+        packing = "whole" if any(d.has_loss_mask for d in datasets) else "concat"
+    for name, d in zip(names, datasets):
+        if packing != "concat" and not d.has_documents:
+            raise UserError(f"data.blend '{name}': data.packing '{packing}' needs the document starts that "
+                            f"prepare-data records since format version 2; '{d.dir}' is older: prepare it again")
+    return packing
+
+
+def open_blend(cfg: JobConfig, model_vocab: int) -> OpenedBlend:
+    """Open and check every source of ``data.blend`` as ``data.path`` is checked (each
+    error names its source), and build their windows."""
+    blend = cfg.data.blend
+    check_blend(blend)
+    names, datasets = [b.name for b in blend], []
+    for b in blend:
+        try:
+            datasets.append(open_dataset(b.path))
+            check_dataset(cfg, datasets[-1], model_vocab)
+        except UserError as e:
+            raise UserError(f"data.blend '{b.name}': {e}") from None
+    check_same_tokens(names, datasets)
+    packing = _blend_packing(cfg.data, datasets, names)
+    seq_len, train, val = cfg.train.seq_len, [], [] if cfg.eval.interval > 0 else None
+    for name, d in zip(names, datasets):
+        try:
+            train.append(make_windows(d, "train", seq_len, packing, "the training split", packed=True))
+            if val is not None:
+                val.append(validation_windows(cfg, d, packing, packed=True))
+        except UserError as e:
+            raise UserError(f"data.blend '{name}': {e}") from None
+    return OpenedBlend(names, [b.weight for b in blend], datasets, packing, BlendedWindows(names, train), val)
+
+
+def _blend_sampler(blend: OpenedBlend, windows, cfg: JobConfig, topo: Topology, log=None) -> BlendSampler:
+    sizes = [int(n) for n in windows.offsets[1:] - windows.offsets[:-1]]
+    return BlendSampler(blend.names, blend.weights, sizes, [d.fingerprint for d in blend.datasets],
+                        cfg.train.global_batch, cfg.train.micro_batch, topo.dp, topo.dp_rank, cfg.train.seed,
+                        log=log)
+
+
+def _print_rank0(topo: Topology):
+    return (lambda line: print(f"parallel3d: {line}", flush=True)) if topo.rank == 0 else None
+
+
+def build_blend_data(cfg: JobConfig, topo: Topology, device: torch.device, model_vocab: int) -> TrainData:
+    """:func:`build_train_data` for ``data.blend``."""
+    blend = open_blend(cfg, model_vocab)
+    train = cfg.train
+    windows = _for_rank(blend.train, topo)
+    sampler = _blend_sampler(blend, blend.train, cfg, topo, _print_rank0(topo))
+    verifiers = [start_verifier(d, topo, device) for d in blend.datasets]
+
+    def poll() -> None:
+        for v in verifiers:
+            v.poll()
+
+    loader = PrefetchLoader(windows, sampler, device, depth=cfg.data.prefetch,
+                            check=IdRangeCheck(blend.train, sampler, model_vocab), before_step=poll)
+    val_windows = val_sampler = val_check = val_sources = None
+    if blend.val is not None:
+        mixed = BlendedWindows(blend.names, blend.val)
+        val_windows, val_sampler = _for_rank(mixed, topo), _blend_sampler(blend, mixed, cfg, topo)
+        val_check = IdRangeCheck(mixed, val_sampler, model_vocab, "validation split")
+        val_sources = {}
+        for name, d, w in zip(blend.names, blend.datasets, blend.val):
+            s = GlobalBatchSampler(w.num_samples, train.global_batch, train.micro_batch, topo.dp, topo.dp_rank,
+                                   train.seed, d.fingerprint)
+            val_sources[name] = (_for_rank(w, topo), s, IdRangeCheck(w, s, model_vocab, f"'{name}' validation split"))
+    data = TrainData(blend.datasets[0], windows, sampler, loader, val_windows, val_sampler, device, verifiers[0],
+                     val_check, val_sources)
+    for v in verifiers:
+        weakref.finalize(data, v.close)
+    return data
+
+
 def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
                      model_vocab: int) -> TrainData:
+    if cfg.data.blend:
+        return build_blend_data(cfg, topo, device, model_vocab)
     dataset = open_training_dataset(cfg.data)
     packing = check_dataset(cfg, dataset, model_vocab)
     train = cfg.train
