@@ -58,6 +58,10 @@ class ModelConfig:
     # A Hugging Face model folder (config.json + safetensors): the model's shape comes from
     # its config.json and its weights initialize the model at any layout (fine-tuning).
     hf_checkpoint: str = ""
+    # Mixture-of-Experts ([model.moe]: n_experts, top_k, ffn_dim, aux_loss_coef,
+    # expert_bias, capacity_factor, dense_layers, ...; see models/moe/config.py); replaces
+    # the preset's (the "debug-moe" preset has one). A Hugging Face folder brings its own.
+    moe: dict = field(default_factory=dict)
 
 
 @dataclass

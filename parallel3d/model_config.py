@@ -9,11 +9,13 @@ the other for it.
 from __future__ import annotations
 
 from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
 
 from parallel3d.config import ModelConfig
 from parallel3d.errors import UserError
 
 from parallel3d.models.llama import PRESETS, LlamaConfig, config_from_preset
+from parallel3d.models.moe import MoEConfig
 
 
 def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
@@ -24,6 +26,7 @@ def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
                         "model.hf_checkpoint (--model.hf_checkpoint=DIR, a folder with config.json "
                         "and *.safetensors)")
     overrides = {k: v for k, v in asdict(cfg).items() if k != "preset"}
+    overrides["moe"] = moe_section(cfg.moe)
     try:
         model_cfg = config_from_preset(cfg.preset, **overrides)
         model_cfg.validate()
@@ -31,6 +34,23 @@ def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
         hint = " or 'hf' (with model.hf_checkpoint)" if cfg.preset not in PRESETS else ""
         raise UserError(f"{e}{hint}") from None
     return model_cfg
+
+
+def moe_section(fields: dict) -> MoEConfig | None:
+    """``[model.moe]`` as the model's :class:`MoEConfig` (None when empty: the preset's)."""
+    if not fields:
+        return None
+    known = {f.name for f in dataclass_fields(MoEConfig)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise UserError(f"unknown config key 'model.moe.{unknown[0]}': the keys of [model.moe] are "
+                        f"{', '.join(sorted(known))}")
+    try:
+        moe = MoEConfig(**fields)
+        moe.validate()
+    except (TypeError, ValueError) as e:
+        raise UserError(str(e)) from None
+    return moe
 
 
 def _model_config_from_hf(cfg: ModelConfig) -> LlamaConfig:
@@ -47,8 +67,10 @@ def _model_config_from_hf(cfg: ModelConfig) -> LlamaConfig:
                         "model folder (config.json + safetensors)")
     model_cfg = model_config_from_folder(folder)
     for key, value in asdict(cfg).items():
-        if key in ("preset", "hf_checkpoint", "init_std") or value is None:
+        if key in ("preset", "hf_checkpoint", "init_std") or value is None or (key == "moe" and not value):
             continue
+        if key == "moe":
+            value = moe_section(value)
         if getattr(model_cfg, key) != value:
             raise UserError(f"model.{key} = {value!r} disagrees with model.hf_checkpoint's config.json "
                             f"({getattr(model_cfg, key)!r}): drop model.{key}")

@@ -323,6 +323,12 @@ class Topology:
         and ZeRO shards them (dp x cp)."""
         return Replicas(self.dp_cp, self.dp_cp_rank, self.dp_cp_group)
 
+    def expert_replicas(self) -> "Replicas":
+        """The ranks holding this rank's experts (same tp, pp and ep rank): edp x cp, where
+        expert gradients are averaged and the experts' ZeRO shards live. At ep 1 the same
+        ranks as :meth:`replicas`."""
+        return Replicas(self.edp * self.cp, self.edp_rank * self.cp + self.cp_rank, self.edp_cp_group)
+
     # -- pipeline neighbours ---------------------------------------------------------------
     @property
     def is_first_stage(self) -> bool:

@@ -122,6 +122,9 @@ class LlamaConfig:
 # long-context releases is not modelled; theta is that of the base models.
 PRESETS: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(),
+    # the debug model with 8 experts (top 2) on every layer but the first, Qwen3-MoE style
+    "debug-moe": LlamaConfig(moe=MoEConfig(n_experts=8, top_k=2, ffn_dim=96, norm_topk_prob=True,
+                                           dense_layers=(0,), aux_loss_coef=0.01)),
     "1b": LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                       ffn_dim=8192, rope_theta=500000.0, tie_embeddings=True),
     "8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,

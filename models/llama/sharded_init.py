@@ -22,6 +22,7 @@ import torch
 
 from parallel3d.tensor_parallel.init import counter_normal_, materialize_
 
+from ..moe.parallelize import apply_expert_parallel
 from .model import Llama, LlamaConfig
 from .parallelize import parallelize_llama
 
@@ -66,12 +67,15 @@ def init_llama_(model: Llama, seed: int) -> Llama:
 
 def build_meta_llama(cfg: LlamaConfig, topo, parallel_cfg):
     """(this rank's model, its loss function) on the meta device: this rank's pipeline
-    chunks and tensor-parallel shards as shapes, no memory. Allocate them with
+    chunks, tensor-parallel shards and experts (under ``topo.ep``) as shapes, no memory. Allocate them with
     :func:`~parallel3d.tensor_parallel.init.materialize_` (or let the optimizer place them
     in its flat buffer) and fill them with :func:`init_llama_` or a checkpoint."""
     with torch.device("meta"):
         model = Llama(cfg)
-    return parallelize_llama(model, topo, parallel_cfg)
+    model, loss_fn = parallelize_llama(model, topo, parallel_cfg)
+    if getattr(topo, "ep", 1) > 1:  # this rank's experts only (laid out from the coordinates)
+        apply_expert_parallel(model, topo.ep_group, ep=topo.ep, ep_rank=topo.ep_rank)
+    return model, loss_fn
 
 
 def build_sharded_llama(cfg: LlamaConfig, topo, parallel_cfg, *, seed: int | None,

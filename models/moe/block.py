@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import torch.distributed as dist
+
 from .config import MoEConfig
 from .experts import Experts, SwiGLU, drop_over_capacity, sort_by_expert
 from .router import Router
@@ -60,7 +62,19 @@ class MoEBlock(nn.Module):
         self.shared_expert = SwiGLU(dim, cfg.shared_ffn_dim) if cfg.shared_ffn_dim else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if cfg.shared_gate else None
         self.last_stats: RouterStats | None = None
-        self.step_counts: torch.Tensor | None = None  # (E,) int64, not a buffer: no state
+        # Summed over the forwards since the caller last set them to None (a step's
+        # micro-batches): assignments per expert (E,), dropped assignments, and the
+        # logged auxiliary loss. Not buffers: no state.
+        self.step_counts: torch.Tensor | None = None
+        self.step_dropped: torch.Tensor | None = None
+        self.step_aux: torch.Tensor | None = None
+        # Training with the auxiliary loss (set by models/moe/parallelize.prepare_moe_training):
+        # the gradient weight of this layer's loss per micro-batch (None: no auxiliary loss
+        # in the backward), the weight of its value in the logged aux_loss, and the groups
+        # over which a micro-batch's tokens are split.
+        self.aux_scale: float | None = None
+        self.aux_log_weight: float = 1.0
+        self.token_groups: tuple = ()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, dim = x.shape
@@ -82,10 +96,53 @@ class MoEBlock(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        dropped = torch.tensor(order.numel() - kept.numel(), device=counts.device)
-        self.last_stats = RouterStats(counts, routing.probs.sum(0), T, dropped)
-        self.step_counts = counts if self.step_counts is None else self.step_counts + counts
-        return out.view(B, S, dim)
+        out = out.view(B, S, dim)
+        prob_sum = routing.probs.sum(0)
+        if self.aux_scale is not None and torch.is_grad_enabled():
+            out = self._attach_aux_loss(out, counts, prob_sum, T)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            dropped = torch.tensor(order.numel() - kept.numel(), device=counts.device)
+            self.last_stats = RouterStats(counts, prob_sum, T, dropped)
+            self.step_counts = counts if self.step_counts is None else self.step_counts + counts
+            self.step_dropped = dropped if self.step_dropped is None else self.step_dropped + dropped
+        return out
+
+    def _attach_aux_loss(self, out: torch.Tensor, counts: torch.Tensor, prob_sum: torch.Tensor,
+                         T: int) -> torch.Tensor:
+        """This layer's auxiliary loss over the micro-batch, its gradient joined to the
+        backward pass of ``out`` (``_AuxGrad``): ``E sum_i f_i P_i`` with ``f_i`` the
+        micro-batch's assignments to expert i per token and ``P_i`` its mean probability.
+        When the micro-batch's tokens are split over ranks (``token_groups``: tensor
+        parallelism's sequence shards, context parallelism), ``f`` and the token count are
+        summed over them first (no gradient) and each rank's term holds the probabilities
+        of its own tokens: the ranks' terms add up to the loss of the whole micro-batch."""
+        totals = torch.cat([counts.to(torch.float32), counts.new_tensor([T], dtype=torch.float32)])
+        for group in self.token_groups:  # integer-valued: every rank gets the exact sums
+            dist.all_reduce(totals, group=group)
+        f, n_tokens = totals[:-1] / totals[-1], totals[-1]
+        aux = self.cfg.n_experts * (f * (prob_sum / n_tokens)).sum()
+        if torch._C._current_graph_task_id() == -1:
+            part = aux.detach() * self.aux_log_weight
+            self.step_aux = part if self.step_aux is None else self.step_aux + part
+        return _AuxGrad.apply(out, aux, self.aux_scale)
+
+
+class _AuxGrad(torch.autograd.Function):
+    """Identity on ``out``; in backward, the auxiliary loss ``aux`` (a scalar of the same
+    graph) receives the gradient ``scale``: as if ``scale * aux`` were added to the loss,
+    without the loss value (pipeline stages return no loss but the last one's; this way
+    each stage's routers get their gradient where they are, as Megatron-Core's
+    MoEAuxLossAutoScaler does)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_dtype, ctx.aux_device = aux.dtype, aux.device
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, torch.full((), ctx.scale, dtype=ctx.aux_dtype, device=ctx.aux_device), None
 
 
 def load_balancing_loss(stats: list[RouterStats], n_experts: int, pooled: bool = True) -> torch.Tensor:

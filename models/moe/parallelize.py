@@ -50,16 +50,96 @@ def local_experts(n_experts: int, ep: int, ep_rank: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def apply_expert_parallel(model: nn.Module, ep_group) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, ep_group, ep: int | None = None,
+                          ep_rank: int | None = None) -> nn.Module:
     """Keep this rank's experts in every :class:`MoEBlock` of ``model`` (in place); the
-    others are dropped. ``ep_group`` None or of one rank: unchanged."""
-    if ep_group is None or dist.get_world_size(ep_group) == 1:
+    others are dropped, and the kept experts' parameters are marked ``p3d_expert`` (their
+    gradients and optimizer state live on the expert-data-parallel ranks only,
+    ``parallel3d.zero.split``). ``ep`` / ``ep_rank``: the degree and this rank's place
+    (default: read from ``ep_group``; given, a meta model is laid out with no process
+    group, as the dry run does). Degree 1: unchanged."""
+    if ep is None:
+        ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+        ep_rank = 0 if ep == 1 else dist.get_rank(ep_group)
+    if ep == 1:
         return model
-    ep, ep_rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     for block in [m for m in model.modules() if isinstance(m, MoEBlock)]:
         held = {e: block.experts[str(e)] for e in local_experts(block.cfg.n_experts, ep, ep_rank)}
         block.experts = ExpertParallelExperts(held, ep_group)
+        for p in block.experts.parameters():
+            p.p3d_expert = True
     return model
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, MoEBlock]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoEBlock)]
+
+
+def token_groups(topo, sequence_parallel: bool) -> tuple:
+    """The groups over which one micro-batch's tokens are split: tensor parallelism's
+    (with sequence parallelism: each tp rank routes S/tp positions) and context
+    parallelism's. Without sequence parallelism every tp rank routes all the tokens."""
+    groups = []
+    if sequence_parallel and topo.tp > 1:
+        groups.append(topo.tp_group)
+    if topo.cp > 1:
+        groups.append(topo.cp_group)
+    return tuple(groups)
+
+
+def prepare_moe_training(model: nn.Module, topo, sequence_parallel: bool, n_micro: int,
+                         n_sparse_layers: int) -> None:
+    """Set every :class:`MoEBlock` of this rank up for a step of ``n_micro`` micro-batches.
+
+    The step's auxiliary loss is ``coef`` times the mean over the model's
+    ``n_sparse_layers`` sparse layers and over the global batch's micro-batches of each
+    layer's loss on its micro-batch (Megatron-Core's per-layer form: each layer's term
+    needs only its own statistics, so it stays on its pipeline stage). Each micro-batch's
+    term gets the gradient weight ``coef / (n_micro n_sparse)`` (the language-model loss
+    of a micro-batch is divided by ``n_micro`` too, and data-parallel replicas average),
+    times cp: context-parallel ranks hold parts of one micro-batch's loss whose gradients
+    the replicas' average divides by cp, where the parts must add up. The logged value
+    counts each part once: the tp ranks that route the same tokens (no sequence
+    parallelism) log on tp rank 0 only."""
+    groups = token_groups(topo, sequence_parallel)
+    for _, block in moe_blocks(model):
+        coef = block.cfg.aux_loss_coef
+        block.token_groups = groups
+        block.aux_scale = coef * topo.cp / (n_micro * n_sparse_layers) if coef else None
+        logs = sequence_parallel or topo.tp_rank == 0
+        block.aux_log_weight = coef / (n_micro * n_sparse_layers) if logs else 0.0
+
+
+@torch.no_grad()
+def finish_moe_step(model: nn.Module, topo, sequence_parallel: bool) -> dict[str, torch.Tensor]:
+    """After a step's forward and backward passes: the step's assignments per expert of
+    every :class:`MoEBlock` of this rank, summed over the ranks that routed different
+    tokens (dp x cp, and tp under sequence parallelism), move the aux-loss-free biases
+    (``update_expert_bias_``: every rank the same update from the same counts); the
+    blocks' step sums are reset. Returns this rank's parts of the step's figures, to be
+    reduced over the world by the caller: ``aux_loss`` (sum, then / dp), ``dropped``
+    (assignments over capacity; sum) and
+    ``imbalance`` (max over layers of max / mean assignments per expert; max)."""
+    blocks = [b for _, b in moe_blocks(model) if b.step_counts is not None]
+    device = next(model.parameters()).device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    out = {"aux_loss": zero.clone(), "dropped": zero.clone(), "imbalance": zero.clone()}
+    if not blocks:
+        return out
+    counts = torch.stack([b.step_counts for b in blocks]).to(torch.float64)  # (L, E)
+    groups = [topo.dp_cp_group, *([topo.tp_group] if sequence_parallel and topo.tp > 1 else [])]
+    for group in groups:
+        counts = all_reduce(counts, group)
+    for block, row in zip(blocks, counts):
+        if block.gate.expert_bias is not None:
+            update_expert_bias_(block.gate.expert_bias, row, block.cfg.bias_update_rate)
+    out["imbalance"] = (counts.max(1).values / counts.mean(1)).max()
+    out["aux_loss"] = sum((b.step_aux.double() for b in blocks if b.step_aux is not None), zero.clone())
+    if sequence_parallel or topo.tp_rank == 0:  # tp ranks without sequence shards route the same tokens
+        out["dropped"] = sum((b.step_dropped.double() for b in blocks), zero.clone())
+    for b in blocks:
+        b.step_counts = b.step_dropped = b.step_aux = None
+    return out
 
 
 @torch.no_grad()

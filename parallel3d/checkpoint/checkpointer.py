@@ -135,6 +135,13 @@ class Checkpointer:
             self._to_resume = self._resume_source()
         return self._to_resume
 
+    def _placements(self, model) -> dict:
+        """What this rank holds of each logical tensor, and whether it writes it (dense
+        weights: one writer among dp x cp; experts: among edp x cp)."""
+        er = self.topo.expert_replicas()
+        return param_placements(model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp,
+                                expert_replicas=(er.rank, er.size))
+
     def has_weights_to_load(self) -> bool:
         """Whether :meth:`load_weights` will fill every parameter (a checkpoint to resume,
         or ``model.hf_checkpoint``): the model then needs no initialisation of its own."""
@@ -145,7 +152,7 @@ class Checkpointer:
         """Fill ``model``'s parameters from the checkpoint to resume, or from
         ``model.hf_checkpoint``; returns where they came from (None: seeded init kept)."""
         found = self._source_to_resume()  # every rank alike: nothing writes before training starts
-        placements = param_placements(model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp)
+        placements = self._placements(model)
         if found is not None:
             self.reader = found
             if isinstance(found, CheckpointReader):  # each file hashed once in the world, agreed
@@ -181,7 +188,7 @@ class Checkpointer:
         if self.reader is None:
             return 0
         trainer_state = self.reader.trainer or {}
-        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp)
+        placements = self._placements(trainer.model)
         had_optimizer = load_optimizer(trainer.optimizer, placements, trainer_state.get("optimizer"),
                                        self.reader)
         step = int(trainer_state.get("step", self.reader.step))
@@ -296,7 +303,7 @@ class Checkpointer:
         if wait is not None:
             wait()  # a sharded optimizer may still be gathering the updated parameters
         self.writer.wait()  # the previous background save, before state is copied again
-        placements = param_placements(trainer.model, self.model_cfg, self.topo.dp_cp_rank, self.topo.dp_cp)
+        placements = self._placements(trainer.model)
         slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
                  for p in trainer.model.parameters() if placements[id(p)].writer]
         opt_scalars, opt_slots = optimizer_slots(trainer.optimizer, placements)

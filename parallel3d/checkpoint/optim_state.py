@@ -18,6 +18,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def optimizer_slots(optimizer, placements: dict[int, Placement]) -> tuple[dict, list[Slot]]:
     """(JSON-able scalars, slots to save) of ``optimizer``."""
+    if hasattr(optimizer, "parts"):  # dense and expert parts (parallel3d.zero.split): disjoint
+        scalars, slots = None, []
+        for part in optimizer.parts:
+            scalars, more = optimizer_slots(part, placements)
+            slots += more
+        return scalars, slots
     if _is_zero(optimizer):
         return _zero_slots(optimizer, placements)
     raise CheckpointError(f"checkpoints do not know the optimizer {type(optimizer).__name__}")
@@ -26,6 +32,8 @@ def optimizer_slots(optimizer, placements: dict[int, Placement]) -> tuple[dict, 
 def load_optimizer(optimizer, placements: dict[int, Placement], scalars: dict | None, source) -> bool:
     """Load the optimizer state from ``source`` (a reader); False if the checkpoint holds
     none (a weights-only checkpoint, e.g. converted from Hugging Face)."""
+    if hasattr(optimizer, "parts"):
+        return all([load_optimizer(part, placements, scalars, source) for part in optimizer.parts])
     if _is_zero(optimizer):
         return _zero_load(optimizer, placements, scalars or {}, source)
     raise CheckpointError(f"checkpoints do not know the optimizer {type(optimizer).__name__}")

@@ -84,14 +84,17 @@ def logical_param_name(name: str, model_cfg) -> str:
     return name
 
 
-def param_placements(model: torch.nn.Module, model_cfg, dp_rank: int = 0, dp: int = 1) -> dict[int, Placement]:
+def param_placements(model: torch.nn.Module, model_cfg, dp_rank: int = 0, dp: int = 1,
+                     expert_replicas: tuple[int, int] | None = None) -> dict[int, Placement]:
     """``id(param) -> Placement`` for every parameter of this rank's model part.
 
     A parameter held by several tensor- or pipeline-parallel ranks (a replicated norm,
     kv-heads shared when tp > n_kv_heads, the tied embedding on the last stage) is saved
     by the holder ``parallelize`` marks as its owner (``p3d_norm_owner``); replicated over
     the data-parallel ranks, by one of them in turn (parameter i by dp rank i mod dp), so
-    writing is spread over all ranks."""
+    writing is spread over all ranks. A routed expert under expert parallelism
+    (``p3d_expert``) is replicated over its expert-data-parallel ranks only:
+    ``expert_replicas`` = (rank, size) among them (default: as the dense weights)."""
     shapes = logical_shapes(model_cfg)
     out: dict[int, Placement] = {}
     for i, (name, p) in enumerate(model.named_parameters()):
@@ -108,7 +111,10 @@ def param_placements(model: torch.nn.Module, model_cfg, dp_rank: int = 0, dp: in
             if d != dim and b != s:
                 raise CheckpointError(f"parameter {name} has shape {block}, the model's is {shape}")
         owner = bool(getattr(p, "p3d_norm_owner", True))
-        out[id(p)] = Placement(logical, shape, tuple(offsets), block, owner and i % dp == dp_rank, owner)
+        rank, size = (dp_rank, dp)
+        if expert_replicas is not None and getattr(p, "p3d_expert", False):
+            rank, size = expert_replicas
+        out[id(p)] = Placement(logical, shape, tuple(offsets), block, owner and i % size == rank, owner)
     return out
 
 

@@ -175,18 +175,21 @@ def counter_normal_(t: torch.Tensor, std: float, *, seed: int, name: str,
 
 @torch.no_grad()
 def materialize_(module: torch.nn.Module, device, dtype: torch.dtype | None = None,
-                 storage: dict | None = None) -> dict[int, torch.nn.Parameter]:
+                 storage: dict | None = None, only_storage: bool = False) -> dict[int, torch.nn.Parameter]:
     """Allocate (uninitialised) every meta parameter and buffer of ``module`` on
     ``device`` (floating-point ones in ``dtype`` when given), in place; a parameter
     whose ``id`` is in ``storage`` becomes that tensor instead (a view of a flat buffer,
     say). Unlike ``Module.to_empty`` it keeps tied parameters tied and keeps the
-    attributes parameters carry (``p3d_tp_dim`` and the others). Returns ``{id(old):
+    attributes parameters carry (``p3d_tp_dim`` and the others). ``only_storage``: the
+    parameters in ``storage`` only (others and buffers stay on meta). Returns ``{id(old):
     new}`` for the parameters it replaced."""
     done: dict[int, torch.nn.Parameter] = {}
     storage = storage or {}
     for sub in module.modules():
         for key, p in list(sub._parameters.items()):
             if p is None or not p.is_meta:
+                continue
+            if only_storage and id(p) not in storage:
                 continue
             if id(p) not in done:
                 if id(p) in storage:
@@ -205,6 +208,6 @@ def materialize_(module: torch.nn.Module, device, dtype: torch.dtype | None = No
                 done[id(p)] = new
             sub._parameters[key] = done[id(p)]
         for key, b in list(sub._buffers.items()):
-            if b is not None and b.is_meta:
+            if b is not None and b.is_meta and not only_storage:
                 sub._buffers[key] = torch.empty_like(b, device=device)
     return done

@@ -17,6 +17,7 @@ from parallel3d.config import Dtype, TrainConfig
 from parallel3d.grad_norm import applies_weight_decay
 from parallel3d.topology import Topology
 from parallel3d.zero import ZeroOptimizer
+from parallel3d.zero.split import SplitOptimizer, is_expert
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -67,7 +68,15 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
     current dtype (bf16 parameters get fp32 master weights in the optimizer); meta
     parameters are allocated in its flat buffer on ``device`` in ``dtype``. With ``model``
     given, the sharded stages overlap their post-step all-gather with the next forward
-    pass; ``timeline`` records the optimizer's collective waits."""
+    pass; ``timeline`` records the optimizer's collective waits. Under expert parallelism
+    the experts get an optimizer of their own over their replicas (:class:`SplitOptimizer`)."""
+    params = list(params)
+    if topo.ep > 1 and any(is_expert(p) for p in params):
+        # experts live on edp x cp replicas, the rest on dp x cp: one optimizer each
+        return SplitOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
+                              bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
+                              reduce_dtype=parallel_cfg.reduce_dtype,
+                              model=model, timeline=timeline, device=device, dtype=dtype)
     return ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
                          bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
                          reduce_dtype=parallel_cfg.reduce_dtype,

@@ -39,7 +39,7 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
         problems += tensor_parallel_problems(model, par.tp)  # heads, kv-heads, MLP width vs tp
     if problems:
         raise UserError("; ".join(problems))
-    check_new_axes(par)
+    check_new_axes(par, model)
     check_observability(cfg.observability)
     check_memory_options(cfg)
     check_context_parallel(par, train.seq_len)
@@ -158,13 +158,18 @@ def check_memory_options(cfg: JobConfig) -> None:
         raise UserError(f"parallel.bucket_mb must be positive, got {par.bucket_mb}")
 
 
-def check_new_axes(par) -> None:
-    """ep is an axis of the topology and the layout (groups, rank order, checks), but the
-    trainer does not yet route MLPs through experts on other ranks: refuse it in one line
-    rather than train something else."""
-    if par.ep > 1:
-        raise UserError(f"parallel.ep {par.ep}: expert parallelism is not yet wired into training "
-                        "(the topology has its groups): set parallel.ep = 1")
+def check_new_axes(par, model_cfg=None) -> None:
+    """Expert parallelism needs experts to split: a Mixture-of-Experts model whose expert
+    count ep divides."""
+    if par.ep == 1:
+        return
+    moe = getattr(model_cfg, "moe", None)
+    if model_cfg is not None and moe is None:
+        raise UserError(f"parallel.ep {par.ep}: expert parallelism needs a Mixture-of-Experts model "
+                        "(model.moe, or a Hugging Face MoE checkpoint): set parallel.ep = 1")
+    if moe is not None and moe.n_experts % par.ep:
+        raise UserError(f"parallel.ep {par.ep} does not divide the model's {moe.n_experts} experts: "
+                        f"choose an ep that divides {moe.n_experts} (and parallel.dp)")
 
 
 def check_context_parallel(par, seq_len: int) -> None:

@@ -56,6 +56,7 @@ from parallel3d.tensor_parallel.init import materialize_
 from parallel3d.topology import Topology
 from parallel3d.train.data import build_train_data
 from parallel3d.train.metrics import MetricsLogger
+from parallel3d.train.moe import MoESteps
 from parallel3d.train.optim import autocast_for, build_optimizer, lr_at, storage_dtype
 from parallel3d.train.setup import check_job, check_paths, resolve_model_config
 
@@ -88,11 +89,12 @@ class Trainer:
         self.dtype = storage_dtype(cfg.train, self.device)
         self.model, self.loss_fn = build_meta_llama(self.model_cfg, topo, cfg.parallel)
         apply_recompute(self.model, cfg.train.recompute)
+        self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel.sequence_parallel)
         self.timeline = Timeline(self.device, cfg.run.trace_steps)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
-        materialize_(self.model, self.device)  # anything the optimizer does not hold (none today)
+        materialize_(self.model, self.device, self.dtype)  # anything the optimizer does not hold (none today)
         # linear_backend "auto" on CUDA: rank 0 times Triton against cuBLAS per GEMM shape
         # and every rank adopts its table (collective; nothing to do on CPU or at tp 1).
         prepare_linear_backends(self.model, cfg.parallel, cfg.train, topo.tp, self.device)
@@ -163,14 +165,18 @@ class Trainer:
         self.watch.compute("forward/backward", self._compute_axis)
         self.optimizer.begin_step(len(micro_batches))  # buckets reduce as the last backward fills them
         cpu1 = time.process_time()
+        if self.moe is not None:
+            self.moe.begin_step(len(micro_batches))
         loss_part = self.schedule.run(micro_batches, reduce_loss=False)
         cpu_fwd_bwd = time.process_time() - cpu1
         for hook in self.step_hooks:
             hook(self)
+        # MoE: the step's expert counts summed over the replicas, the selection biases moved
+        moe_parts = self.moe.finish_step() if self.moe is not None else None
         with timeline.span("optimizer", "optimizer"):
             self.watch.enter("gradient sync", "dp")
             norm_share = self.optimizer.reduce_gradients()
-            grad_norm, loss = self._step_sums(norm_share, loss_part)
+            grad_norm, loss = self._step_sums(norm_share, loss_part, moe_parts)
             self.optimizer.apply(lr, grad_norm, skip=not math.isfinite(loss))
             self.wait_for_issued_work()  # the step's time includes its optimizer
         dt = time.perf_counter() - t0
@@ -182,6 +188,8 @@ class Trainer:
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
                   **self.observer.throughput(dt)}
         self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0, cpu))
+        if moe_parts is not None:
+            record.update(self.moe.record(moe_parts))
         record.update(self._check_numbers(loss, grad_norm))
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
@@ -204,7 +212,8 @@ class Trainer:
             done.record(torch.cuda.current_stream(self.device))
             done.synchronize()
 
-    def _step_sums(self, norm_share: torch.Tensor, loss_part: torch.Tensor) -> tuple[torch.Tensor, float]:
+    def _step_sums(self, norm_share: torch.Tensor, loss_part: torch.Tensor,
+                   extra: dict | None = None) -> tuple[torch.Tensor, float]:
         """The step's one collective: over the world, the sum of this rank's share of the
         squared gradient norm, of its share of the loss (the last stage's loss on its first
         tp rank; the dp x cp ranks' losses average: each cp rank's is the mean over its
@@ -214,21 +223,31 @@ class Trainer:
         previous step's record.
 
         Sums are taken in fp64 and rounded to fp32 before the square root and the division
-        by dp x cp, which for two contributors is exactly the fp32 sum."""
+        by dp x cp, which for two contributors is exactly the fp32 sum. ``extra``: the
+        MoE step's parts (:meth:`MoESteps.finish_step`), summed or maxed with the rest and
+        replaced by their world-reduced values in place."""
         topo, timeline = self.topo, self.timeline
         # the tp ranks of the last stage hold the same loss: the first one counts it
         loss_share = loss_part if topo.tp_rank == 0 else torch.zeros_like(loss_part)
         head = torch.stack([norm_share.reshape(()), loss_share.reshape(())]).double().to(self.device)
         previous = self._pending
         figures, maxes = self.observer.payload(previous[1] if previous else None)
-        sums = torch.cat([head, figures])
+        extra_sums = [extra[k].reshape(1).to(head) for k in ("aux_loss", "dropped")] if extra else []
+        extra_max = [extra["imbalance"].reshape(1).to(head)] if extra else []
+        sums = torch.cat([head, *extra_sums, figures])
+        maxes = torch.cat([*extra_max, maxes])
         self.watch.enter("step all-reduce (gradient norm, loss, per-rank metrics)", "world")
         with timeline.span("step sums", "comm", lane="comm"):
             all_reduce_sum_max(sums, maxes, topo.world_group)
         timeline.close_window(closing="step sums")
         head = sums[:2].float()
+        if extra:
+            extra.update(aux_loss=sums[2], dropped=sums[3], imbalance=maxes[0])
+            sums, maxes = sums[2 + len(extra_sums):], maxes[len(extra_max):]
+        else:
+            sums = sums[2:]
         if previous is not None:
-            self._complete(previous[0], self.observer.summary(sums[2:], maxes))
+            self._complete(previous[0], self.observer.summary(sums, maxes))
         return head[0].sqrt(), float(head[1] / topo.dp_cp)  # each dp x cp replica's share
 
     def _complete(self, record: dict, summary: dict) -> None:

@@ -103,11 +103,17 @@ class GradReducer:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], layout: BucketLayout, topo,
-                 stage: int, device: torch.device, reduce_dtype: str = "fp32"):
+                 stage: int, device: torch.device, reduce_dtype: str = "fp32", replicas=None,
+                 divisor: int | None = None):
         self.params, self.layout, self.stage = params, layout, stage
         self.wire_dtype = REDUCE_DTYPES[reduce_dtype]
-        replicas = topo.replicas()  # dp x cp: ranks holding the same weights
+        # the ranks holding the same weights: dp x cp (experts: edp x cp)
+        replicas = replicas or topo.replicas()
         self.dp = replicas.size
+        # the summed gradient is divided by the data replicas whose losses it sums: the
+        # replicas themselves (dense weights), or all dp x cp for an expert, whose gradient
+        # also sums the rows its expert group's ranks sent it (parallel3d.zero.split)
+        self.divisor = divisor or replicas.size
         self.shard_rank = replicas.rank if stage > 0 else 0
         self.group = replicas.group  # None at one replica: nothing to reduce
         self.trace: list | None = None
@@ -195,8 +201,8 @@ class GradReducer:
 
     @torch.no_grad()
     def reduced(self) -> torch.Tensor:
-        """The fp32 gradient (shard), summed over micro-batches and averaged over the
-        replicas (dp x cp)."""
+        """The fp32 gradient (shard), summed over micro-batches and over the replicas,
+        divided by ``divisor`` (the replicas' number, dp x cp: their average)."""
         if self.full is not None:
             self._adopt_foreign_grads()
             for b, bucket in enumerate(self.layout.buckets):
@@ -206,8 +212,8 @@ class GradReducer:
         for b, done in enumerate(self._accumulated):
             if not done:  # no backward pass reached this bucket in this step
                 self.shard_views[b].zero_()
-        if self.dp > 1:
-            self.shard.div_(self.dp)
+        if self.divisor > 1:
+            self.shard.div_(self.divisor)
         return self.shard
 
     def _bucket_of_full(self, b: int) -> torch.Tensor:

@@ -76,6 +76,12 @@ class ZeroOptimizer(GlobalNormOptimizer):
             exist twice.
         stage: 0, 1 or 2.
         bucket_mb: bucket size in MiB of fp32 gradient.
+        replicas: the ranks holding the same ``params`` (default ``topo.replicas()``, dp x
+            cp); the experts' optimizer passes ``topo.expert_replicas()``.
+        grad_divisor: what the summed gradients are divided by (default: the replicas'
+            number); the experts' optimizer passes dp x cp.
+        materialize_rest: with meta parameters, also allocate the model's other meta
+            parameters and buffers (False: leave them for another optimizer).
         offload: keep master weights and moments on the CPU; step with DeepSpeed's CPU Adam
             (stages 1 and 2).
         model: the module owning ``params``; when given, the post-step all-gather of each
@@ -87,7 +93,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
     def __init__(self, params, cfg: TrainConfig, topo: Topology, *, stage: ZeroStage = 1,
                  bucket_mb: float = 25.0, offload: bool = False, reduce_dtype: str = "fp32",
                  model: torch.nn.Module | None = None, timeline=None,
-                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+                 device: torch.device | None = None, dtype: torch.dtype | None = None,
+                 replicas=None, grad_divisor: int | None = None, materialize_rest: bool = True):
         if stage not in typing.get_args(ZeroStage):  # a caller other than the config's
             raise ValueError(f"ZeroOptimizer stage must be one of {typing.get_args(ZeroStage)}, got {stage}")
         if offload and stage == 0:
@@ -97,7 +104,9 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self.timeline = timeline
         # The ranks holding the same weights (dp x cp; context-parallel ranks hold the same
         # weights as data-parallel ones): gradients average, and stages 1/2 shard, over them.
-        replicas = topo.replicas()
+        # ``replicas`` other than the default: the experts' (edp x cp, parallel3d.zero.split).
+        replicas = replicas or topo.replicas()
+        self.replicas = replicas
         self.dp, self.dp_rank = replicas.size, replicas.rank
         # stage 0: every replica holds the whole state (one "shard" of the whole layout)
         self.shards_over_dp = stage > 0
@@ -115,10 +124,12 @@ class ZeroOptimizer(GlobalNormOptimizer):
         state_device = torch.device("cpu") if offload else device
         # fp32 parameters on the optimizer's device are their own master weights
         self.master_is_param = param_dtype == torch.float32 and state_device == device
+        self._materialize_rest = materialize_rest
         self._build_buffers(device, param_dtype, state_device, model if meta else None)
         if not meta:
             self.take_masters()
-        self.reducer = GradReducer(self.params, self.layout, topo, stage, device, reduce_dtype)
+        self.reducer = GradReducer(self.params, self.layout, topo, stage, device, reduce_dtype, replicas,
+                                   grad_divisor)
         if timeline is not None:
             self.reducer.on_issue = lambda b: timeline.instant(f"reduce bucket {b}", bucket=b)
         self._build_norm_runs()
@@ -154,7 +165,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
             if not all(p.is_meta for p in self.params):
                 raise ValueError("parameters must be all on the meta device or none")
             new = materialize_(meta_model, device, param_dtype,
-                               storage={id(p): v for p, v in zip(self.params, views)})
+                               storage={id(p): v for p, v in zip(self.params, views)},
+                               only_storage=not self._materialize_rest)
             self.params = [new[id(p)] for p in self.params]
         else:
             for p, view in zip(self.params, views):

@@ -1,0 +1,46 @@
+"""What a training step does for a Mixture-of-Experts model, beside the dense path.
+
+Around the forward and backward passes of a step (``models/moe/parallelize.py``)::
+
+    begin_step(n_micro)   each sparse layer's auxiliary-loss weight for this step
+    finish_step()         the step's expert counts summed over the replicas; the
+                          aux-loss-free biases moved; this rank's parts of the figures
+    record(parts)         after the step's world all-reduce: the record's fields
+
+The record's ``loss`` stays the language-model loss (comparable with a dense run); the
+auxiliary loss is ``aux_loss`` beside it (coefficient included), with
+``expert_imbalance`` (the largest max / mean assignments per expert of any sparse layer
+over the global batch; 1 is balanced) and ``dropped_tokens`` (assignments over capacity).
+"""
+
+from __future__ import annotations
+
+from parallel3d.models.moe.parallelize import finish_moe_step, prepare_moe_training
+
+
+class MoESteps:
+    def __init__(self, model, n_sparse_layers: int, topo, sequence_parallel: bool):
+        self.model, self.topo, self.sp = model, topo, sequence_parallel
+        self.n_sparse = n_sparse_layers
+
+    @classmethod
+    def of(cls, model, model_cfg, topo, sequence_parallel: bool) -> "MoESteps | None":
+        """None for a model without sparse layers anywhere (a stage without any of a MoE
+        model's sparse layers still takes part in the figures' reduction)."""
+        moe = getattr(model_cfg, "moe", None)
+        if moe is None:
+            return None
+        n_sparse = sum(moe.is_sparse(i) for i in range(model_cfg.n_layers))
+        return cls(model, n_sparse, topo, sequence_parallel) if n_sparse else None
+
+    def begin_step(self, n_micro: int) -> None:
+        prepare_moe_training(self.model, self.topo, self.sp, n_micro, self.n_sparse)
+
+    def finish_step(self) -> dict:
+        return finish_moe_step(self.model, self.topo, self.sp)
+
+    def record(self, reduced: dict) -> dict:
+        """The record's fields from the world-reduced parts."""
+        return {"aux_loss": float(reduced["aux_loss"]) / self.topo.dp,
+                "expert_imbalance": float(reduced["imbalance"]),
+                "dropped_tokens": int(round(float(reduced["dropped"])))}
