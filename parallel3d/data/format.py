@@ -68,43 +68,89 @@ def atomic_write_bytes(path: Path, data) -> None:
 
 
 class ShardWriter:
-    """Appends token arrays to one split and cuts them into shards of ``shard_tokens``."""
+    """Appends token arrays to one split and cuts them into shards of ``shard_tokens``.
+
+    Tokens go straight to the current shard's file (``.NAME-00000.bin.partial``, renamed
+    when the shard is full or at :meth:`close`), hashed as they are written: memory holds
+    one added array, whatever the shard size. :meth:`state` / :meth:`restore` save and
+    reload the writer at a point of the input (``prepare-data``'s resume): the finished
+    shards and how many tokens of the partial one belong to it."""
 
     def __init__(self, out_dir: Path, split: str, dtype: np.dtype, shard_tokens: int,
                  name: str | None = None):
-        self.out_dir, self.split, self.dtype = out_dir, split, np.dtype(dtype)
+        self.out_dir, self.split, self.dtype = out_dir, split, np.dtype(dtype).newbyteorder("<")
         self.name = name or split  # files are NAME-00000.bin
         self.shard_tokens = shard_tokens
         self.shards: list[dict] = []
         self.num_docs = 0
-        self._pending: list[np.ndarray] = []
-        self._pending_tokens = 0
-        self.num_tokens_added = 0  # elements added so far, written or pending
+        self.num_tokens_added = 0  # elements added so far, in finished shards or the partial one
+        self._file = None
+        self._hash = None
+        self._count = 0  # elements in the partial shard
+
+    def _partial_path(self) -> Path:
+        return self.out_dir / f".{self.name}-{len(self.shards):05d}.bin.partial"
+
+    def _open(self) -> None:
+        self._file = open(self._partial_path(), "wb")
+        self._hash, self._count = hashlib.sha256(), 0
 
     def add(self, tokens: np.ndarray, num_docs: int) -> None:
-        self.num_tokens_added += len(tokens)
-        if len(tokens):
-            self._pending.append(np.asarray(tokens, dtype=self.dtype))
-            self._pending_tokens += len(tokens)
+        arr = np.asarray(tokens).astype(self.dtype, copy=False)
+        self.num_tokens_added += len(arr)
         self.num_docs += num_docs
-        while self._pending_tokens >= self.shard_tokens:
-            self._flush(self.shard_tokens)
+        pos = 0
+        while pos < len(arr):
+            if self._file is None:
+                self._open()
+            n = min(len(arr) - pos, self.shard_tokens - self._count)
+            data = arr[pos: pos + n].tobytes()
+            self._file.write(data)
+            self._hash.update(data)
+            self._count += n
+            pos += n
+            if self._count == self.shard_tokens:
+                self._finish()
 
-    def _flush(self, n: int) -> None:
-        flat = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
-        shard, rest = flat[:n], flat[n:]
-        self._pending = [rest] if len(rest) else []
-        self._pending_tokens = len(rest)
+    def _finish(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
         name = f"{self.name}-{len(self.shards):05d}.bin"
-        data = shard.astype(self.dtype.newbyteorder("<"), copy=False).tobytes()
-        atomic_write_bytes(self.out_dir / name, data)
-        self.shards.append({"file": name, "num_tokens": int(n), "bytes": len(data),
-                            "sha256": hashlib.sha256(data).hexdigest()})
+        os.replace(self._partial_path(), self.out_dir / name)
+        self.shards.append({"file": name, "num_tokens": int(self._count),
+                            "bytes": int(self._count * self.dtype.itemsize), "sha256": self._hash.hexdigest()})
+        self._file, self._hash, self._count = None, None, 0
+
+    def state(self) -> dict:
+        """What :meth:`restore` needs (JSON); the partial shard's bytes are on disk."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        return {"shards": list(self.shards), "num_docs": self.num_docs,
+                "num_tokens_added": self.num_tokens_added, "partial": self._count}
+
+    def restore(self, state: dict) -> None:
+        """Continue from :meth:`state`: the partial shard cut back to what it held then
+        (tokens written after it are written again) and hashed again."""
+        self.shards, self.num_docs = list(state["shards"]), state["num_docs"]
+        self.num_tokens_added = state["num_tokens_added"]
+        if state["partial"]:
+            path = self._partial_path()
+            done = self.out_dir / f"{self.name}-{len(self.shards):05d}.bin"
+            if not path.exists() and done.exists():  # the shard was finished after the state
+                os.replace(done, path)
+            self._file = open(path, "r+b")
+            self._file.truncate(state["partial"] * self.dtype.itemsize)
+            self._hash, self._count = hashlib.sha256(), state["partial"]
+            for block in iter(lambda: self._file.read(1 << 24), b""):
+                self._hash.update(block)
+            self._file.seek(0, os.SEEK_END)
 
     def close(self) -> dict:
         """Write the last partial shard; returns this split's entry of the index."""
-        if self._pending_tokens:
-            self._flush(self._pending_tokens)
+        if self._file is not None:
+            self._finish()
         return {"num_tokens": sum(s["num_tokens"] for s in self.shards),
                 "num_docs": self.num_docs, "shards": self.shards}
 

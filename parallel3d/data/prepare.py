@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import os
 import shutil
+import sys
 import tempfile
 import time
 from fractions import Fraction
@@ -29,6 +31,7 @@ import numpy as np
 from parallel3d.data.chat import CHAT_TEMPLATE_FILES, ChatRenderer, has_chat_template
 from parallel3d.data.format import INDEX, SPLITS, ShardWriter, token_dtype, write_index
 from parallel3d.data.progress import PrepareReport, Progress
+from parallel3d.data.resume import StateSaver, clear_state, kept_files, load_state, options_key, restore_writers
 from parallel3d.data.sources import CHUNK_BYTES, documents_of, expand_inputs, input_tasks
 from parallel3d.data.tokenizer import TokenizerSpec, load_tokenizer, tokenizer_folder
 from parallel3d.errors import UserError
@@ -127,17 +130,30 @@ def _val_mask(first_doc: int, n: int, frac: Fraction) -> np.ndarray:
 
 def tokenize_to_shards(tasks: Iterable[tuple], spec: TokenizerSpec, out: Path, *,
                        val_fraction: float, shard_tokens: int, workers: int,
-                       progress: Progress, chat: bool = False) -> tuple[dict, dict, dict, int]:
+                       progress: Progress, chat: bool = False, resume: dict | None = None,
+                       save_state: tuple[Path, dict] | None = None) -> tuple[dict, dict, dict, int]:
     """Run ``tasks`` through the workers and write both splits. Returns the index's
     ``splits`` entry, documents and tokens per split, and the UTF-8 bytes of text.
     ``chat``: the tasks are conversations (JSON lines) and a loss mask is written; the
     conversations dropped are counted in ``splits[...]["dropped"]`` of the train split.
 
     ``workers``: N > 1 processes of one thread each; 1: this process, one thread; 0: this
-    process with the tokenizers library's own thread pool (all cores)."""
+    process with the tokenizers library's own thread pool (all cores).
+
+    ``resume``: a state saved by an interrupted run (:mod:`parallel3d.data.resume`): its
+    tasks are skipped and the writers continue from it. ``save_state`` (out, key): save
+    the state each time a shard is finished."""
     dtype = token_dtype(spec.vocab_size)
     frac = Fraction(val_fraction).limit_denominator(1_000_000)
     writers = {s: _SplitWriters(out, s, dtype, shard_tokens, chat) for s in SPLITS}
+    counters = {"n_docs": 0, "text_bytes": 0, "dropped": {}, "tasks_done": 0}
+    if resume is not None:
+        restore_writers(writers, resume)
+        counters = {k: resume[k] for k in counters}
+        progress.done, progress.tokens = resume["disk_done"], resume["tokens_done"]
+        progress.resumed = progress.done
+        tasks = itertools.islice(tasks, resume["tasks_done"], None)
+    saver = StateSaver(*save_state, writers) if save_state is not None else None
     if chat:
         from parallel3d.data.chat import encode_chat_task, init_chat_worker
 
@@ -160,7 +176,7 @@ def tokenize_to_shards(tasks: Iterable[tuple], spec: TokenizerSpec, out: Path, *
             init(*initargs)
             results = map(encode, tasks)
         stack.callback(progress.close)
-        dropped, text_bytes = _write_results(results, writers, frac, progress)
+        dropped, text_bytes = _write_results(results, writers, frac, progress, counters, saver)
     splits = {s: w.close() for s, w in writers.items()}
     if chat:
         splits["train"]["dropped"] = dropped
@@ -177,6 +193,13 @@ class _SplitWriters:
         self.starts = ShardWriter(out, split, np.dtype("<i8"), shard_tokens, name=f"{split}-docs")
         self.mask = ShardWriter(out, split, np.uint8, shard_tokens, name=f"{split}-mask") if chat else None
         self.supervised = 0
+
+    def named_parts(self) -> list[tuple[str, ShardWriter]]:
+        parts = [("tokens", self.tokens), ("starts", self.starts)]
+        return parts + ([("mask", self.mask)] if self.mask is not None else [])
+
+    def parts(self) -> list[ShardWriter]:
+        return [w for _, w in self.named_parts()]
 
     def add(self, ids: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None) -> None:
         first = self.tokens.num_tokens_added
@@ -196,10 +219,12 @@ class _SplitWriters:
 
 
 def _write_results(results, writers: dict[str, _SplitWriters], frac: Fraction,
-                   progress: Progress) -> tuple[dict, int]:
-    """Append each result, in order, to the split each of its documents belongs to.
-    Returns the conversations dropped by reason (chat) and the bytes of text."""
-    n_docs, text_bytes, dropped = 0, 0, {}
+                   progress: Progress, counters: dict, saver=None) -> tuple[dict, int]:
+    """Append each result, in order, to the split each of its documents belongs to,
+    continuing ``counters`` (documents, bytes of text, drops, tasks: zero, or a resumed
+    run's). Returns the conversations dropped by reason (chat) and the bytes of text."""
+    n_docs, text_bytes, dropped = counters["n_docs"], counters["text_bytes"], dict(counters["dropped"])
+    tasks_done = counters["tasks_done"]
     for ids, lengths, nbytes, disk_bytes, *chat in results:
         mask = chat[0] if chat else None
         for why, n in (chat[1] if chat else {}).items():
@@ -210,7 +235,11 @@ def _write_results(results, writers: dict[str, _SplitWriters], frac: Fraction,
             writers[split].add(ids[toks], lengths[docs], None if mask is None else mask[toks])
         n_docs += len(lengths)
         text_bytes += nbytes
+        tasks_done += 1
         progress.update(disk_bytes, len(ids))
+        if saver is not None:
+            saver(tasks_done, {"n_docs": n_docs, "text_bytes": text_bytes, "dropped": dropped,
+                               "disk_done": progress.done, "tokens_done": progress.tokens})
     return dropped, text_bytes
 
 
@@ -225,14 +254,17 @@ def copy_tokenizer(spec: TokenizerSpec, out: Path) -> None:
             shutil.copyfile(spec.dir / name, dst / name)
 
 
-def _clear_old(out: Path, overwrite: bool) -> None:
+def _clear_old(out: Path, overwrite: bool, keep: set[str] = frozenset()) -> None:
+    """Remove an old dataset's files (``--overwrite``) or an interrupted run's, except
+    ``keep`` (what a resume continues from)."""
     if (out / INDEX).exists():
         if not overwrite:
             raise UserError(f"'{out}' already holds a prepared dataset ({INDEX}): choose another --out "
                             "or pass --overwrite")
         (out / INDEX).unlink()  # first, so nothing reads old shards as the new dataset
-    for old in out.glob("*.bin"):
-        if old.name.startswith(tuple(f"{s}-" for s in SPLITS)):
+    prefixes = tuple(f"{p}{s}-" for s in SPLITS for p in ("", "."))
+    for old in [*out.glob("*.bin"), *out.glob(".*.bin.partial")]:
+        if old.name.startswith(prefixes) and old.name not in keep:
             old.unlink()
 
 
@@ -292,19 +324,31 @@ def prepare_data(inputs: list[str], tokenizer: str | Path, out: str | Path, *,
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise UserError(f"--out '{out}' cannot be created: {e.strerror}") from None
-        _clear_old(out, overwrite)
+        key = options_key(files, spec.sha256, eos_id=spec.eos_id, shard_tokens=shard_tokens,
+                          val_fraction=val_fraction, text_key=text_key, format=format, chunk_bytes=chunk_bytes)
+        state, why = (None, "") if (out / INDEX).exists() else load_state(out, key)
+        if why and progress:
+            print(f"prepare-data: not resuming the interrupted run in '{out}': {why}; starting over",
+                  file=sys.stderr, flush=True)
+        _clear_old(out, overwrite, kept_files(state))
         return _prepare(inputs, files, spec, out, text_key=text_key, workers=workers,
                         shard_tokens=shard_tokens, val_fraction=val_fraction, progress=progress,
-                        chunk_bytes=chunk_bytes, chat=format == "chat")
+                        chunk_bytes=chunk_bytes, chat=format == "chat", resume=state, key=key)
 
 
 def _prepare(inputs, files, spec, out: Path, *, text_key, workers, shard_tokens, val_fraction,
-             progress, chunk_bytes, chat) -> PrepareReport:
+             progress, chunk_bytes, chat, resume, key) -> PrepareReport:
     t0 = time.perf_counter()
     disk_total = sum(f.stat().st_size for f in files)
+    shown = Progress(disk_total, progress)
+    if resume is not None and progress:
+        print(f"prepare-data: resuming the interrupted run in '{out}' after {resume['tasks_done']:,} units of "
+              f"work ({resume['disk_done'] / 1e6:.1f} MB of input; its finished shards kept)",
+              file=sys.stderr, flush=True)
     splits, docs, tokens, text_bytes = tokenize_to_shards(
         input_tasks(files, text_key, chunk_bytes), spec, out, val_fraction=val_fraction,
-        shard_tokens=shard_tokens, workers=workers, progress=Progress(disk_total, progress), chat=chat)
+        shard_tokens=shard_tokens, workers=workers, progress=shown, chat=chat, resume=resume,
+        save_state=(out, key))
     n_docs = sum(docs.values())
     dropped = splits["train"].get("dropped", {})
     plural = "s" * (len(files) != 1)
@@ -324,6 +368,8 @@ def _prepare(inputs, files, spec, out: Path, *, text_key, workers, shard_tokens,
                 source={"inputs": [str(i) for i in inputs], "num_files": len(files),
                         "format": "chat" if chat else "text", "text_key": text_key,
                         "val_fraction": val_fraction, "eos_token": spec.eos_token}, loss_mask=chat)
+    clear_state(out)
     supervised = sum(splits[s].get("supervised_tokens", 0) for s in SPLITS)
     return PrepareReport(out, len(files), disk_total, text_bytes, time.perf_counter() - t0, workers,
-                         docs, tokens, {s: len(splits[s]["shards"]) for s in SPLITS}, dropped, supervised)
+                         docs, tokens, {s: len(splits[s]["shards"]) for s in SPLITS}, dropped, supervised,
+                         resumed_bytes=shown.resumed)

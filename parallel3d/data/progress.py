@@ -14,6 +14,7 @@ class Progress:
 
     def __init__(self, total_bytes: int, enabled: bool = True, every_s: float = 10.0):
         self.total, self.done, self.tokens = total_bytes, 0, 0
+        self.resumed = 0  # input bytes an interrupted run had finished (not timed here)
         self.enabled, self.every_s = enabled, every_s
         self.t0 = self._last = time.perf_counter()
         self.bar = None
@@ -30,19 +31,34 @@ class Progress:
         self.done += disk_bytes
         self.tokens += tokens
         if self.bar is not None:
+            if self.bar.n < self.done - disk_bytes:  # a resumed run starts where it was
+                self.bar.update(self.done - disk_bytes - self.bar.n)
             self.bar.update(disk_bytes)
             return
         now = time.perf_counter()
         if self.enabled and now - self._last >= self.every_s:
             self._last = now
-            dt = now - self.t0
-            print(f"prepare-data: {100 * self.done / max(1, self.total):.0f}% "
-                  f"({self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB), {self.done / 1e6 / dt:.2f} MB/s, "
-                  f"{self.tokens / dt:,.0f} tokens/s", file=sys.stderr, flush=True)
+            print(self.line(now), file=sys.stderr, flush=True)
+
+    def line(self, now: float) -> str:
+        """``prepare-data: 42% (840.0 of 2000.0 MB), 6.10 MB/s, 1,900,000 tokens/s, 3m10s left``:
+        the rate of this run's own bytes (a resumed run's earlier ones left out)."""
+        dt = max(now - self.t0, 1e-9)
+        rate = (self.done - self.resumed) / dt
+        left = (self.total - self.done) / rate if rate > 0 else float("inf")
+        eta = "?" if left == float("inf") else _duration(left)
+        return (f"prepare-data: {100 * self.done / max(1, self.total):.0f}% "
+                f"({self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB), {rate / 1e6:.2f} MB/s, "
+                f"{self.tokens / dt:,.0f} tokens/s, {eta} left")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s // 60 % 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 @dataclass
@@ -58,10 +74,12 @@ class PrepareReport:
     shards: dict[str, int] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)  # chat: conversations left out, by reason
     supervised: int = 0  # chat: tokens trained on (both splits)
+    resumed_bytes: int = 0  # input an interrupted run had finished (its shards kept)
 
     @property
     def mb_per_s(self) -> float:
-        return self.disk_bytes / 1e6 / self.seconds
+        """This run's own input bytes per second (a resumed run's earlier ones left out)."""
+        return (self.disk_bytes - self.resumed_bytes) / 1e6 / self.seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,7 +93,8 @@ class PrepareReport:
                 f"file{'s' * (self.num_files != 1)}, {self.disk_bytes / 1e6:.1f} MB on disk "
                 f"({self.text_bytes / 1e6:.1f} MB of text) in {self.seconds:.1f} s: "
                 f"{self.mb_per_s:.2f} MB/s, {self.tokens_per_s:,.0f} tokens/s "
-                f"({self.workers} worker{'s' * (self.workers != 1)}) -> {self.out}{self._chat_summary()}")
+                f"({self.workers} worker{'s' * (self.workers != 1)}) -> {self.out}{self._chat_summary()}"
+                + (f"; resumed after {self.resumed_bytes / 1e6:.1f} MB" if self.resumed_bytes else ""))
 
     def _chat_summary(self) -> str:
         if not self.supervised and not self.dropped:
