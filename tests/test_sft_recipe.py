@@ -52,8 +52,44 @@ def chat_model(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def chat_moe_model(tmp_path_factory) -> Path:
+    """A random Qwen3-MoE (4 experts, top 2, layer 0 dense) saved by transformers, with the
+    ChatML tokenizer."""
+    folder = tmp_path_factory.mktemp("hf_chat_moe")
+    make_chat_tokenizer(folder, "chatml")
+    cfg = transformers.Qwen3MoeConfig(vocab_size=608, hidden_size=64, intermediate_size=160,
+                                      moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                      mlp_only_layers=[0], norm_topk_prob=True, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=256, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    transformers.Qwen3MoeForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow  # ~35 s: prepare-data, a 2-process run, generation
 def test_sft_recipe_learns_conversations_and_the_export_answers_them(chat_model, tmp_path):
+    _sft_learns_and_answers(chat_model, tmp_path, [])
+
+
+@pytest.mark.slow  # ~45 s
+def test_sft_of_a_qwen3_moe_at_dp2_ep2_exports_a_model_that_answers(chat_moe_model, tmp_path):
+    """Issue 31, point 4: the experts split over the two ranks (ep 2), their own optimizer;
+    the export is a Qwen3-MoE folder with one tensor per expert that transformers loads."""
+    _sft_learns_and_answers(chat_moe_model, tmp_path, ["--parallel.ep=2"])
+    out = tmp_path / "run" / "hf"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    from safetensors import safe_open
+
+    with safe_open(out / "model.safetensors", "pt") as f:
+        experts = {k for k in f.keys() if ".mlp.experts." in k}
+    assert experts == {f"model.layers.1.mlp.experts.{e}.{w}.weight" for e in range(4)
+                       for w in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _sft_learns_and_answers(chat_model: Path, tmp_path: Path, extra: list[str]) -> None:
     rows = []
     for copy in range(12):  # every 5th conversation held out: rotated, so each one is
         for k in range(len(CONVERSATIONS)):  # held out in some copies and trained in others
@@ -77,7 +113,7 @@ def test_sft_recipe_learns_conversations_and_the_export_answers_them(chat_model,
                  f"--run.dir={run}", "--parallel.dp=2", "--launch.nproc=2", "--train.steps=60",
                  "--train.seq_len=64", "--train.global_batch=4", "--train.warmup_steps=5",
                  "--train.lr=1e-2", "--train.log_interval=100", "--eval.interval=30",
-                 "--eval.batches=1", "--checkpoint.interval=0"], timeout=240)
+                 "--eval.batches=1", "--checkpoint.interval=0", *extra], timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["loss"] < 0.1 < records[0]["loss"], [r["loss"] for r in records]
