@@ -189,3 +189,33 @@ def test_meta_build_materializes_and_zeroes_the_expert_bias():
     biases = [b for n, b in model.named_buffers() if n.endswith("expert_bias")]
     assert len(biases) == 2 and all(torch.equal(b, torch.zeros(4)) for b in biases)
     assert torch.isfinite(model(torch.randint(0, 61, (1, 5)))).all()
+
+
+def test_the_attached_auxiliary_loss_gradient_is_that_of_the_loss_plus_scale_times_aux():
+    """Training attaches each layer's auxiliary loss to the block's output (its gradient
+    weight ``aux_scale``, no loss value to carry through pipeline stages): every gradient
+    equals the plain autograd gradient of ``loss + aux_scale * aux`` with ``aux`` the
+    layer's own (per-layer) Switch loss; and the logged part is ``aux_log_weight * aux``."""
+    cfg = MoEConfig(n_experts=6, top_k=2, ffn_dim=24, norm_topk_prob=True, shared_ffn_dim=16, shared_gate=True)
+    torch.manual_seed(0)
+    block = MoEBlock(cfg, 32)
+    x, g = torch.randn(3, 10, 32), torch.randn(3, 10, 32)
+
+    def grads(attach: bool, add: bool = True):
+        block.zero_grad()
+        block.aux_scale, block.aux_log_weight, block.step_aux = (0.37 if attach else None), 0.5, None
+        out = block(x)
+        loss = (out * g).sum()
+        if not attach and add:
+            loss = loss + 0.37 * load_balancing_loss([block.last_stats], cfg.n_experts, pooled=False)
+        loss.backward()
+        return [p.grad.clone() for p in block.parameters()], block.step_aux
+
+    attached, logged = grads(True)
+    reference, _ = grads(False)
+    without, _ = grads(False, add=False)
+    assert (attached[0] - without[0]).abs().max() > 1e-3 * without[0].abs().max()  # the router's
+    for a, r in zip(attached, reference):
+        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-7)  # the same sums, one extra add
+    aux = load_balancing_loss([block.last_stats], cfg.n_experts, pooled=False)
+    torch.testing.assert_close(logged, 0.5 * aux.detach())
