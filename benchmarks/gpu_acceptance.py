@@ -1,6 +1,6 @@
-"""The GPU path in one command: kernels, GEMMs against cuBLAS, 1B training, 2x2x2 on one GPU, cp.
+"""The GPU path in one command: kernels, GEMMs against cuBLAS, 1B training, 2x2x2 on one GPU, cp, MoE.
 
-    python benchmarks/gpu_acceptance.py [--out benchmarks/gpu_acceptance.md]    # one GPU, < 9 min
+    python benchmarks/gpu_acceptance.py [--out benchmarks/gpu_acceptance.md]    # one GPU, < 10 min
     python benchmarks/gpu_acceptance.py --smoke [--out FILE]                    # CPU, what CI runs
 
 Sections (each in a process of its own, with its own time budget; a section that fails,
@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 # name: (title, budget on one H200 in s, budget of --smoke in s, kernels inside: interpreter on CPU).
 # The H200 budgets assume a cold Triton cache: benchmarks/README.md estimates each section
 # (its Triton specialisations counted, ~2 s a compile, CUDA initialisation per process) and
-# they add to 525 s.
+# they add to 585 s.
 SECTIONS = {
     "kernels": ("Kernel tests (one pytest process; bf16 and fp16 are the gpu-marked cases)", 215, 90, True),
     "linear": ("Triton linear: tails, bias, main_grad vs float64; vs cuBLAS on the 8B / 70B shards, "
@@ -54,6 +54,8 @@ SECTIONS = {
                  80, 180, False),
     "cp": ("Context parallelism at cp 2, ring and all-gather (both ranks in one process) vs full SDPA, "
            "forward and backward, bf16", 45, 90, False),
+    "moe": ("MoE experts: Triton grouped GEMM vs torch._grouped_mm; the experts at ep 2 (both ranks in one "
+            "process) vs float64 at ep 1, forward and backward, bf16", 60, 90, True),
 }
 
 
@@ -62,6 +64,7 @@ SECTIONS = {
 def run_section(name: str, smoke: bool, work: Path, result: Path, budget_s: float) -> int:
     sys.path.insert(0, str(HERE))
     import _acceptance
+    import _acceptance_moe
 
     rows: list[dict] = []
 
@@ -73,7 +76,7 @@ def run_section(name: str, smoke: bool, work: Path, result: Path, budget_s: floa
         save()
     save()
     try:
-        fn = _acceptance.SECTIONS[name]
+        fn = {**_acceptance.SECTIONS, "moe": _acceptance_moe.moe}[name]
         if name == "layout3d":
             fn(smoke, work, emit, budget_s=budget_s)
         else:
