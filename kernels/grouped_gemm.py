@@ -31,6 +31,9 @@ an explicit ``config``.
 """
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 try:
@@ -155,25 +158,35 @@ def _needs_int64(*tensors) -> bool:
     return max(_max_offset(t) for t in tensors) >= 2**31 - 1
 
 
-def _to_device(table: list[int], device: torch.device) -> torch.Tensor:
-    """int32 ``table`` on ``device``; to a GPU from pinned memory without blocking the host
-    (a pageable copy would wait for the stream: a device sync inside the step)."""
-    host = torch.tensor(table, dtype=torch.int32)
+def _to_device(table, device: torch.device) -> torch.Tensor:
+    """``table`` (ints) as int32 on ``device``; to a GPU from pinned memory without blocking
+    the host (a pageable copy would wait for the stream: a device sync inside the step)."""
+    host = torch.as_tensor(table, dtype=torch.int32)
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _row_tiles(counts: list[int], block_m: int) -> tuple[list[int], int]:
-    """The tile table (groups, first rows, end rows, concatenated) and its length."""
-    groups, firsts, ends, start = [], [], [], 0
-    for g, n in enumerate(counts):
-        for first in range(start, start + n, block_m):
-            groups.append(g)
-            firsts.append(first)
-            ends.append(start + n)
-        start += n
-    return groups + firsts + ends, len(groups)
+def _row_tiles(counts: list[int], block_m: int) -> tuple[torch.Tensor, int]:
+    """The tile table on the host, int32 (3 * T,): each tile's group, then first rows, then
+    end rows; and T. numpy (torch's own dependency): 75 us for 256 tiles on a loaded CPU
+    where torch's small ops took 400 and a Python loop 320; 0.3 ms against 9 at 8k tiles."""
+    n = np.asarray(counts, dtype=np.int64)
+    ends = np.cumsum(n)
+    starts = ends - n
+    tiles = -(-n // block_m)
+    groups = np.repeat(np.arange(n.size), tiles)
+    first_tile = np.cumsum(tiles) - tiles
+    firsts = starts[groups] + (np.arange(groups.size) - first_tile[groups]) * block_m
+    return torch.from_numpy(np.concatenate([groups, firsts, ends[groups]]).astype(np.int32)), int(groups.size)
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_tiles(counts: tuple, block_m: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The tile table on a GPU, made once per (counts, tile height): gate and up of a layer,
+    and its dgrads, share it. Entries are read only."""
+    table, n_tiles = _row_tiles(list(counts), block_m)
+    return _to_device(table, device), n_tiles
 
 
 def _mean_rows(counts: list[int]) -> int:
@@ -188,10 +201,13 @@ def _launch_rows(kind, a, w, c, counts, w_strides, config=None):
     if a.shape[0] == 0 or n == 0:
         return
     cfg = config or heuristic_config(w.dtype, _mean_rows(counts), n, k, interpreted=_INTERPRETED)
-    table, n_tiles = _row_tiles(counts, cfg.block_m)
+    if a.is_cuda:
+        table, n_tiles = _cuda_tiles(tuple(counts), cfg.block_m, a.device)
+    else:
+        table, n_tiles = _row_tiles(counts, cfg.block_m)
     grid = (n_tiles * triton.cdiv(n, cfg.block_n),)
     _rows_kernel[grid](
-        a, w, c, _to_device(table, a.device), n_tiles, n, k, a.stride(0), a.stride(1), w.stride(0),
+        a, w, c, table, n_tiles, n, k, a.stride(0), a.stride(1), w.stride(0),
         *w_strides, c.stride(0), c.stride(1), FP32_IEEE=w.dtype == torch.float32,
         INT64=_needs_int64(a, w, c), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
