@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
+import os
 import platform
 import statistics
 import sys
@@ -80,13 +82,18 @@ def _contiguous(x: torch.Tensor, sp: int, rank: int, dim: int) -> torch.Tensor:
     return x.narrow(dim, rank * n, n).contiguous()
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, float]:
+    """(wall seconds of the slower rank, CPU seconds of both ranks together): the job
+    waits for its slower rank; the CPU time is the work done, which other processes on
+    the shared cores do not inflate by preempting this one (they do by sharing caches)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
-    seconds = torch.tensor([time.perf_counter() - t0])
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    return float(seconds)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    walls, cpus = torch.tensor([wall]), torch.tensor([cpu])
+    dist.all_reduce(walls, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpus)
+    return float(walls), float(cpus)
 
 
 def _threads(side: str) -> int:
@@ -100,23 +107,34 @@ def _attention_inputs(seq: int, heads: int, kv_heads: int, head_dim: int):
     return [torch.randn(1, h, seq, head_dim, generator=g) for h in (heads, kv_heads, kv_heads, heads)]
 
 
-def _attention_call(side: str, q, k, v, d_out):
-    """(fn() running forward + backward, or None where this rank sits out)."""
-    from parallel3d.context_parallel import context_parallel_attention, shard_sequence
+def _attention_side(side: str, q, k, v, d_out):
+    """(attention fn, this rank's q, k, v, its upstream gradient, its rows of the whole
+    sequence), or None where this rank sits out. Every side's ranks hold all S queries
+    between them, each rank S/2 of them (cp 1: one rank, all S)."""
+    from parallel3d.context_parallel import context_parallel_attention, shard_positions, shard_sequence
 
     r = dist.get_rank()
+    seq = q.shape[2]
     if side.startswith("cp 1"):
         if r:
             return None
-        fn, xs, d = (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-                     (q, k, v), d_out)
-    elif side == "ulysses":
-        att = UlyssesAttention(dist.group.WORLD)
-        fn, xs, d = att, [_contiguous(x, 2, r, 2) for x in (q, k, v)], _contiguous(d_out, 2, r, 2)
-    else:
-        comm = side.split()[-1]
-        fn = lambda q, k, v: context_parallel_attention(q, k, v, dist.group.WORLD, comm=comm)  # noqa: E731
-        xs, d = [shard_sequence(x, 2, r, dim=2) for x in (q, k, v)], shard_sequence(d_out, 2, r, dim=2)
+        fn = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)  # noqa: E731
+        return fn, (q, k, v), d_out, torch.arange(seq)
+    if side == "ulysses":
+        rows = _contiguous(torch.arange(seq), 2, r, 0)
+        return UlyssesAttention(dist.group.WORLD), [x[:, :, rows] for x in (q, k, v)], d_out[:, :, rows], rows
+    comm = side.split()[-1]
+    fn = lambda q, k, v: context_parallel_attention(q, k, v, dist.group.WORLD, comm=comm)  # noqa: E731
+    rows = shard_positions(seq, 2, r)
+    return fn, [shard_sequence(x, 2, r, dim=2) for x in (q, k, v)], shard_sequence(d_out, 2, r, dim=2), rows
+
+
+def _attention_call(side: str, q, k, v, d_out):
+    """fn() running forward + backward, or None where this rank sits out."""
+    made = _attention_side(side, q, k, v, d_out)
+    if made is None:
+        return None
+    fn, xs, d, _ = made
 
     def run():
         leaves = [x.detach().requires_grad_() for x in xs]
@@ -124,7 +142,33 @@ def _attention_call(side: str, q, k, v, d_out):
     return run
 
 
-def attention_round(seq: int, shape: tuple, order: list[str]) -> dict[str, float]:
+def attention_errors(seq: int, shape: tuple) -> dict[str, float]:
+    """Each side's output and q, k, v gradients against causal SDPA on the whole sequence
+    (fp32; the largest error of the four over the reference's largest entry, max over
+    the ranks): every side computes the same attention."""
+    q, k, v, d_out = _attention_inputs(seq, *shape)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    out.backward(d_out)
+    errors = {}
+    for side in ATTN_SIDES:
+        made = _attention_side(side, q, k, v, d_out)
+        err = torch.zeros(())
+        if made is not None:
+            fn, xs, d, rows = made
+            leaves = [x.detach().clone().requires_grad_() for x in xs]
+            got = fn(*leaves)
+            got.backward(d)
+            # the K/V gradients of a rank's rows are complete only on their owner: every
+            # side returns each rank's own rows' dk, dv (summed over the group in backward)
+            pairs = [(got, out[:, :, rows])] + [(x.grad, r.grad[:, :, rows]) for x, r in zip(leaves, ref)]
+            err = torch.tensor(max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs))
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        errors[side] = float(err)
+    return errors
+
+
+def attention_round(seq: int, shape: tuple, order: list[str]) -> dict[str, tuple[float, float]]:
     q, k, v, d_out = _attention_inputs(seq, *shape)
     out = {}
     for side in order:
@@ -186,7 +230,7 @@ _BUILT: dict = {}
 
 
 def step_round(seq: int, model_kw: dict, order: list[str]) -> dict[str, tuple[float, float]]:
-    """(seconds, the step's loss) per side; the first call of a side builds it and runs a
+    """((wall, CPU seconds), the step's loss) per side; the first call of a side builds it and runs a
     warm-up step (its loss the one reported: the same initial weights on every side)."""
     out = {}
     for side in order:
@@ -227,7 +271,8 @@ def build_deepspeed_ops() -> None:
 
 
 def run(seq: int, rounds: int, model_kw: dict, log=print) -> dict:
-    """Alternating rounds of both comparisons on one pool of 2 ranks; the medians."""
+    """Alternating rounds of both comparisons on one pool of 2 ranks: every side's wall
+    and CPU seconds per round, the first losses, the attention's errors."""
     from parallel3d.testing import ProcessGroupPool
 
     build_deepspeed_ops()
@@ -238,7 +283,7 @@ def run(seq: int, rounds: int, model_kw: dict, log=print) -> dict:
     losses: dict[str, float] = {}
     pool = ProcessGroupPool(2, timeout=3600, start_method="forkserver")
     try:
-        pool.run(attention_round, 256, shape, list(ATTN_SIDES))  # first calls, DeepSpeed's imports
+        errors = pool.run(attention_errors, 256, shape)[0]  # first calls too: DeepSpeed's imports
         for i in range(rounds):
             k = i % len(ATTN_SIDES)
             a_order = list(ATTN_SIDES[k:] + ATTN_SIDES[:k])
@@ -248,14 +293,14 @@ def run(seq: int, rounds: int, model_kw: dict, log=print) -> dict:
             for side, (t, loss) in pool.run(step_round, seq, model_kw, s_order)[0].items():
                 step[side].append(t)
                 losses[side] = loss
-            log(f"  round {i + 1}/{rounds}: attention " + ", ".join(f"{s} {attn[s][-1] * 1e3:.0f}" for s in ATTN_SIDES)
-                + " ms; step " + ", ".join(f"{s} {step[s][-1] * 1e3:.0f}" for s in STEP_SIDES) + " ms")
+            log(f"  round {i + 1}/{rounds} (wall/CPU ms): attention "
+                + ", ".join(f"{s} {attn[s][-1][0] * 1e3:.0f}/{attn[s][-1][1] * 1e3:.0f}" for s in ATTN_SIDES)
+                + "; step " + ", ".join(f"{s} {step[s][-1][0] * 1e3:.0f}/{step[s][-1][1] * 1e3:.0f}"
+                                        for s in STEP_SIDES))
         pool.run(forget)
     finally:
         pool.close()
-    return {"attention": {s: _median_ms(v) for s, v in attn.items()},
-            "step": {s: _median_ms(v) for s, v in step.items()}, "losses": losses,
-            "raw": {"attention": attn, "step": step}}
+    return {"attention": attn, "step": step, "losses": losses, "errors": errors}
 
 
 def paired(raw: list[float], ref: list[float]) -> str:
@@ -265,27 +310,45 @@ def paired(raw: list[float], ref: list[float]) -> str:
     return f"{statistics.median(ratios):.2f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
+def _column(times: list[tuple[float, float]], which: int) -> list[float]:
+    return [t[which] for t in times]
+
+
 def table(res: dict, seq: int, rounds: int, model_kw: dict) -> str:
-    a, s, losses, raw = res["attention"], res["step"], res["losses"], res["raw"]
+    attn, step, losses = res["attention"], res["step"], res["losses"]
     ref_loss = losses["cp 1 (1 thread)"]
     lines = [f"S = {seq} tokens, micro-batch 1, model {model_kw}, fp32, 2 gloo ranks x 1 thread; "
-             f"median of {rounds} alternating rounds (slower rank); ratios: median of the per-round "
-             "ratios (range)", "",
-             "| side | attention fwd+bwd ms | vs Ulysses | step ms | vs Ulysses | vs cp 1 (1 thread) | first loss |",
-             "|---|---|---|---|---|---|---|"]
+             f"{rounds} alternating rounds. Wall: the slower rank's, median over rounds; CPU: both ranks' "
+             "process time together, median. Ratios: median of the per-round ratios (range)", "",
+             "| side | attention fwd+bwd wall ms | vs Ulysses | CPU ms | vs Ulysses | error vs SDPA |",
+             "|---|---|---|---|---|---|"]
     for side in ATTN_SIDES:
-        lines.append(f"| {side} | {a[side]:.0f} | {paired(raw['attention'][side], raw['attention']['ulysses'])} | "
-                     f"{s[side]:.0f} | {paired(raw['step'][side], raw['step']['ulysses'])} | "
-                     f"{paired(raw['step'][side], raw['step']['cp 1 (1 thread)'])} | {losses[side]:.6f} |")
+        wall, cpu = _column(attn[side], 0), _column(attn[side], 1)
+        u_wall, u_cpu = _column(attn["ulysses"], 0), _column(attn["ulysses"], 1)
+        lines.append(f"| {side} | {_median_ms(wall):.0f} | {paired(wall, u_wall)} | {_median_ms(cpu):.0f} | "
+                     f"{paired(cpu, u_cpu)} | {res['errors'][side]:.1e} |")
+    lines += ["", "| side | step wall ms | vs Ulysses | vs cp 1 (1 thread) | CPU ms | vs Ulysses | first loss |",
+              "|---|---|---|---|---|---|---|"]
+    for side in STEP_SIDES:
+        wall, cpu = _column(step[side], 0), _column(step[side], 1)
+        u_wall, u_cpu = _column(step["ulysses"], 0), _column(step["ulysses"], 1)
+        lines.append(f"| {side} | {_median_ms(wall):.0f} | {paired(wall, u_wall)} | "
+                     f"{paired(wall, _column(step['cp 1 (1 thread)'], 0))} | {_median_ms(cpu):.0f} | "
+                     f"{paired(cpu, u_cpu)} | {losses[side]:.6f} |")
     worst = max(abs(v - ref_loss) / abs(ref_loss) for v in losses.values())
-    lines += ["", f"first losses agree to {worst:.1e} (relative; every side the same model, weights and tokens)"]
+    lines += ["", f"first losses agree to {worst:.1e} (relative; every side the same model, weights and tokens); "
+              f"attention at S = 256 against SDPA: largest error {max(res['errors'].values()):.1e}"]
+    for side in ("cp 2 allgather", "cp 2 ring"):
+        ratios = [a[0] / b[0] for a, b in zip(step[side], step["ulysses"])]
+        lines.append(f"{side}: step at or under Ulysses' in {sum(r <= 1.0 for r in ratios)} of {len(ratios)} rounds")
     return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--json", help="also write every round's times here")
     parser.add_argument("--smoke", action="store_true", help="tiny model and sequence, 1 round: the code path")
     args = parser.parse_args()
     model_kw = dict(MODEL)
@@ -294,12 +357,15 @@ def main() -> int:
         model_kw.update(dim=32, ffn_dim=64)
     res = run(args.seq_len, args.rounds, model_kw)
     print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(table(res, args.seq_len, args.rounds, model_kw))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
     ref = res["losses"]["cp 1 (1 thread)"]
     bad = [s for s, v in res["losses"].items() if abs(v - ref) > 1e-5 * abs(ref)]
+    bad += [s for s, e in res["errors"].items() if e > 1e-5]
     if bad:
-        print(f"FAIL: first losses of {bad} differ from cp 1's by more than 1e-5", file=sys.stderr)
+        print(f"FAIL: {bad}: first loss off cp 1's, or attention off SDPA's, by more than 1e-5", file=sys.stderr)
         return 1
     return 0
 

@@ -40,8 +40,11 @@ from parallel3d.context_parallel import (choose_comm, context_parallel_attention
                                          shard_documents, shard_positions, shard_sequence,
                                          unshard_sequence)
 from parallel3d.context_parallel import blocks
+from parallel3d.context_parallel.attention import ContextParallelAttention
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
-from parallel3d.context_parallel.gathered import gathered_plan
+from parallel3d.context_parallel.documents import SKIP, DocumentStarts
+from parallel3d.context_parallel.gathered import gathered_plan, gathered_spans
+from parallel3d.context_parallel.ring import ring_spans
 from parallel3d.models.llama import Llama, LlamaConfig
 from parallel3d.models.llama.documents import document_mask
 from parallel3d.models.llama.parallelize import apply_context_parallel, apply_recompute
@@ -91,8 +94,8 @@ def _errors(cp: int, comm: str, dtype: torch.dtype, docs: bool, heads=(4, 2)) ->
         return shard_sequence(t, cp, r, dim=2)
 
     lq, lk, lv = (mine(t).requires_grad_() for t in (q, k, v))
-    doc_ids = shard_documents(positions, cp, r)[1] if docs else None
-    out = context_parallel_attention(lq, lk, lv, group, comm=comm, doc_ids=doc_ids)
+    doc_starts = document_keys(shard_sequence(positions, cp, r, dim=1), cp, r) if docs else None
+    out = context_parallel_attention(lq, lk, lv, group, comm=comm, doc_starts=doc_starts)
     out.backward(mine(d_out))
     pairs = [(out, ref), (lq.grad, ref_q.grad), (lk.grad, ref_k.grad), (lv.grad, ref_v.grad)]
     assert all(a.dtype == dtype for a, _ in pairs)
@@ -172,7 +175,7 @@ def test_cp_1_is_plain_attention():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 4, 12, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
     positions = _packed_positions(24)[:, :12]
-    out = context_parallel_attention(q, k, v, None, doc_ids=(positions == 0).cumsum(-1))
+    out = context_parallel_attention(q, k, v, None, doc_starts=document_keys(positions, 1, 0))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions), enable_gqa=True)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
@@ -220,15 +223,95 @@ def test_head_tail_balances_attention_work(cp):
     assert ring == gathered == head_tail
     assert sum(head_tail) == S * (S + 1) // 2
 
+    def span_size(span):  # a FULL span: every pair of its chunks
+        (q_lo, q_hi), (k_lo, k_hi), kind = span
+        return size[kind] * (q_hi - q_lo) * (k_hi - k_lo)
 
-def test_kv_traffic_per_layer():
-    """Bytes a rank sends per layer: B 1, S 1024, 8 kv-heads of 128, bf16 K/V, fp32 dK/dV."""
-    kv = 2 * 1024 * 8 * 128
-    assert kv_bytes_per_layer("allgather", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=4) \
-        == 2 * 3 / 4 * kv * 2
-    assert kv_bytes_per_layer("ring", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=4) \
-        == 2 * 3 * kv / 4 * 2 + 4 * kv / 4 * 4
-    assert kv_bytes_per_layer("ring", batch=1, seq_len=1024, n_kv_heads=8, head_dim=128, cp=1) == 0
+    ring_as_spans = [sum(span_size(s) for step in ring_spans(cp, r) for s in step) for r in range(cp)]
+    gathered_as_spans = [sum(span_size(s) for s in gathered_spans(cp, r)) for r in range(cp)]
+    assert ring_as_spans == gathered_as_spans == head_tail
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_spans_cover_each_block_of_the_plans_once(cp):
+    """The spans (one kernel call each) hold exactly the plans' blocks, every (query
+    chunk, key chunk) pair once, and are fewer: the ring's later steps one call each."""
+    for r in range(cp):
+        for plan, spans in [(ring_plan(cp, r)[t], ring_spans(cp, r)[t]) for t in range(cp)] + \
+                [(gathered_plan(cp, r), gathered_spans(cp, r))]:
+            pairs = sorted((qi, ki, kind) for (q_lo, q_hi), (k_lo, k_hi), kind in spans
+                           for qi in range(q_lo, q_hi) for ki in range(k_lo, k_hi))
+            assert pairs == sorted(plan)
+            assert all(kind == FULL for (q, k, kind) in spans if q[1] - q[0] > 1 or k[1] - k[0] > 1)
+        assert [len(step) for step in ring_spans(cp, r)] == [3] + [1] * (cp - 1)
+        assert len(gathered_spans(cp, r)) <= 4 < len(gathered_plan(cp, r))
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_document_masks_from_the_query_starts_equal_the_document_ids(cp):
+    """Every block a rank could run (each local query chunk or both, against every key
+    chunk or pair of chunks): the keys visible by the queries' document starts equal the
+    pairs of one document by the whole window's ids, under the causal order; a block
+    said to need no mask has every causal pair in one document, a skipped one none."""
+    S, g = 24, torch.Generator().manual_seed(0)
+    c = S // (2 * cp)
+    # the test's packed windows, and random ones: documents of 1 to 7 tokens starting
+    # at every offset within a chunk
+    lengths = [torch.randint(1, 8, (S,), generator=g).tolist() for _ in range(8)]  # >= S tokens a row
+    rows = [torch.cat([torch.arange(n) for n in row])[:S] for row in lengths]
+    windows = torch.cat([_packed_positions(S), torch.stack(rows)])
+    seen = set()
+    for positions in [windows] + list(windows.split(1)):  # all rows, and each row alone
+        ids = (positions == 0).cumsum(-1)  # (B, S)
+        for r in range(cp):
+            q_pos = shard_positions(S, cp, r)
+            docs = DocumentStarts(document_keys(shard_sequence(positions, cp, r), cp, r))
+            for units in [(0, 1), (1, 2), (0, 2)]:
+                q_rows = q_pos[units[0] * c:units[1] * c]
+                for key_chunks in [[b] for b in range(2 * cp)] + [[a, b] for a in range(2 * cp) for b in range(a)]:
+                    cols = torch.cat([torch.arange(b * c, (b + 1) * c) for b in key_chunks])
+                    causal = cols.unsqueeze(0) <= q_rows.unsqueeze(1)  # (cq, ck)
+                    want = (ids[:, q_rows].unsqueeze(-1) == ids[:, cols].unsqueeze(-2)) & causal  # (B, cq, ck)
+                    got = docs.block(units, key_chunks)
+                    seen.add("none" if got is None else "skip" if got is SKIP else "mask")
+                    got = (causal.expand_as(want) if got is None else torch.zeros_like(want) if got is SKIP
+                           else got.squeeze(1) & causal)
+                    assert torch.equal(got, want), (cp, r, units, key_chunks, positions)
+    assert seen == {"none", "skip", "mask"}  # the packed windows reach every outcome
+
+
+def _plain_window_documents() -> tuple[bool, bool, bool]:
+    hook = ContextParallelAttention(dist.group.WORLD, "ring")
+    r = dist.get_rank()
+    plain = shard_positions(32, 2, r).expand(2, 16)
+    packed = shard_sequence(_packed_positions(32), 2, r, dim=1)
+    return (hook._documents(plain) is None, isinstance(hook._documents(packed), DocumentStarts),
+            hook._documents(packed) is hook._documents(packed))
+
+
+def test_a_plain_window_needs_no_document_work(pools):
+    """The hook's positions of an unpacked window (global positions): no document starts
+    at all (no mask, no check per block); a packed window's are derived once for all the
+    layers of a forward (the same positions tensor)."""
+    assert pools(2).run(_plain_window_documents) == [(True, True, True)] * 2
+
+
+def test_merge_equals_the_log_sum_exp_formula():
+    """The in-place merge (lerp by sigmoid weights) against ``O = O_1 e^(lse_1 - lse) +
+    O_2 e^(lse_2 - lse)``, with rows that have no key on one side or on both (0 / -inf
+    kept, no NaN). fp32: the same sums in another order."""
+    torch.manual_seed(2)
+    out, out_b = torch.randn(2, 3, 5, 4), torch.randn(2, 3, 5, 4)
+    lse, lse_b = torch.randn(2, 3, 5) * 3, torch.randn(2, 3, 5) * 3
+    lse[0, 0, :2] = lse_b[0, 0, 1:3] = float("-inf")  # row 1: neither side has a key
+    out[0, 0, :2] = out_b[0, 0, 1:3] = 0
+    new = torch.logaddexp(lse, lse_b)
+    ref_lse = new.masked_fill(new == float("-inf"), 0)
+    want = out * torch.exp(lse - ref_lse).unsqueeze(-1) + out_b * torch.exp(lse_b - ref_lse).unsqueeze(-1)
+    blocks.merge_(out, lse, out_b, lse_b)
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, new, rtol=0, atol=0)
+    assert not out.isnan().any() and out[0, 0, 1].eq(0).all() and lse[0, 0, 1] == float("-inf")
 
 
 def test_document_keys_from_local_positions_compare_like_document_ids():

@@ -2,8 +2,10 @@
 over the whole sequence from each rank's queries.
 
     sharding.py   head-tail sharding of tokens, global positions, document ids
-    comm.py       all-gather <-> reduce-scatter pair, id gather, the ring's p2p step
+    comm.py       all-gather <-> reduce-scatter pair, the ring's p2p step
     blocks.py     one block's attention with its log-sum-exp, merge, backward; ring plan
+    documents.py  packed documents: a block's mask from its queries' document starts
+    spans.py      the plans' blocks merged into fewer kernel calls, and run
     ring.py       ring attention (autograd.Function; backward recomputes per block)
     gathered.py   the all-gather mode's local part: blocks over the gathered K/V
     attention.py  ``context_parallel_attention(q, k, v, group, comm=...)``; all-gather mode;

@@ -2,9 +2,11 @@
 
 ``q`` (B, H, S_l, D), ``k`` / ``v`` (B, Hkv, S_l, D) with ``Hkv | H`` (grouped-query),
 ``S_l = S / cp`` the rank's tokens (chunks ``r`` and ``2cp-1-r``, ``sharding.py``);
-``doc_ids`` (B, S_l) optional, the document of each local token numbered over the
-whole window (``sharding.shard_documents``). Query at global position ``i`` attends key
-``j`` iff ``j <= i`` (and, with ``doc_ids``, both in one document). Returns (B, H, S_l, D),
+``doc_starts`` (B, S_l) optional, the global position where each local token's document
+starts (``sharding.document_keys`` from the rank's per-document positions). Query at
+global position ``i`` attends key ``j`` iff ``j <= i`` (and, with ``doc_starts``,
+``j >= doc_starts[i]``: the same document, ``documents.py``; nothing about documents
+crosses the wire). Returns (B, H, S_l, D),
 the rows of full-sequence attention for the local queries; gradients flow to q, k, v.
 
 ``comm``:
@@ -25,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import gather_from_cp, gather_ids
+from .comm import gather_from_cp
+from .documents import DocumentStarts, local_document_mask
 from .gathered import gathered_attention
 from .ring import ring_attention
 from .sharding import document_keys, unshard_sequence
@@ -33,7 +36,7 @@ from .sharding import document_keys, unshard_sequence
 COMMS = ("allgather", "ring")
 
 
-def _check(q, k, v, doc_ids, cp: int, comm: str) -> None:
+def _check(q, k, v, doc_starts, cp: int, comm: str) -> None:
     if comm not in COMMS:
         raise ValueError(f"context-parallel comm {comm!r}: use one of {', '.join(COMMS)}")
     if q.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2:] != q.shape[2:]:
@@ -43,61 +46,69 @@ def _check(q, k, v, doc_ids, cp: int, comm: str) -> None:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} kv-heads")
     if cp > 1 and q.shape[2] % 2:
         raise ValueError(f"{q.shape[2]} local tokens do not split into a head and a tail chunk")
-    if doc_ids is not None and doc_ids.shape != q.shape[:1] + q.shape[2:3]:
-        raise ValueError(f"doc_ids {tuple(doc_ids.shape)}: expected (B, S_l) = {(q.shape[0], q.shape[2])}")
+    starts = doc_starts.starts if isinstance(doc_starts, DocumentStarts) else doc_starts
+    if starts is not None and starts.shape != q.shape[:1] + q.shape[2:3]:
+        raise ValueError(f"doc_starts {tuple(starts.shape)}: expected (B, S_l) = {(q.shape[0], q.shape[2])}")
 
 
-def _local_attention(q, k, v, doc_ids, scale):
+def _local_attention(q, k, v, doc_starts, scale):
     """cp = 1: the whole sequence is here."""
     gqa = q.shape[1] != k.shape[1]
-    if doc_ids is None:
+    docs = DocumentStarts.of(doc_starts, n_chunks=1)
+    if docs is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    S = q.shape[2]
-    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-    mask = (doc_ids.unsqueeze(-1) == doc_ids.unsqueeze(-2)) & causal  # (B, S, S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=local_document_mask(docs.starts), scale=scale,
+                                          enable_gqa=gqa)
 
 
-def allgather_attention(q, k, v, group, doc_ids=None, scale=None):
+def allgather_attention(q, k, v, group, doc_starts=None, scale=None):
     """``comm="allgather"`` (module docstring)."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     kv = gather_from_cp(torch.stack([k, v]), group)  # (cp, 2, B, Hkv, S_l, D)
     kv = unshard_sequence(kv.unbind(0), dim=3)  # (2, B, Hkv, S, D), global order
-    all_docs = None
-    if doc_ids is not None:
-        all_docs = unshard_sequence(gather_ids(doc_ids, group).unbind(0), dim=1)  # (B, S)
-    return gathered_attention(q, kv, cp, r, doc_ids, all_docs, scale)
+    return gathered_attention(q, kv, cp, r, doc_starts, scale)
 
 
 def context_parallel_attention(q, k, v, group, *, comm: str = "allgather",
-                               doc_ids: torch.Tensor | None = None, scale: float | None = None):
+                               doc_starts: torch.Tensor | DocumentStarts | None = None,
+                               scale: float | None = None):
     """Attention over the whole sequence from the local head-tail queries (module
     docstring); ``group`` the cp group (None: cp = 1)."""
     cp = 1 if group is None else dist.get_world_size(group)
-    _check(q, k, v, doc_ids, cp, comm)
+    _check(q, k, v, doc_starts, cp, comm)
     if cp == 1:
-        return _local_attention(q, k, v, doc_ids, scale)
+        return _local_attention(q, k, v, doc_starts, scale)
     if comm == "ring":
-        return ring_attention(q, k, v, group, doc_ids, scale)
-    return allgather_attention(q, k, v, group, doc_ids, scale)
+        return ring_attention(q, k, v, group, doc_starts, scale)
+    return allgather_attention(q, k, v, group, doc_starts, scale)
 
 
 class ContextParallelAttention:
     """The model's attention hook under context parallelism (``Llama.attention_fn``):
     ``fn(q, k, v, positions)`` with this rank's head-tail q (B, H, S_l, D), k / v
     (B, Hkv, S_l, D) and per-document positions (B, S_l) (or the global positions of an
-    unpacked window, which make one document). Without positions the rank cannot place
-    its tokens (rotary embeddings included): the loader must pass them."""
+    unpacked window, which make one document: every document start 0, no document mask
+    at all). Without positions the rank cannot place its tokens (rotary embeddings
+    included): the loader must pass them. The document starts are derived once per
+    ``positions`` tensor (every layer of a forward, and a recomputed forward, get the
+    same one)."""
 
     def __init__(self, group, comm: str = "allgather"):
         if comm not in COMMS:
             raise ValueError(f"context-parallel comm {comm!r}: use one of {', '.join(COMMS)}")
         self.group, self.comm = group, comm
         self.cp, self.cp_rank = dist.get_world_size(group), dist.get_rank(group)
+        self._docs = (None, -1, None)  # (positions, its version, its DocumentStarts or None)
+
+    def _documents(self, positions: torch.Tensor) -> DocumentStarts | None:
+        seen, version, docs = self._docs
+        if seen is not positions or version != positions._version:
+            docs = DocumentStarts.of(document_keys(positions, self.cp, self.cp_rank))  # (B, S_l) starts
+            self._docs = (positions, positions._version, docs)
+        return docs
 
     def __call__(self, q, k, v, positions):
         if positions is None:
             raise ValueError("context parallelism needs each token's position (the global positions of "
                              "the rank's head-tail chunks, or per-document positions): pass positions")
-        doc_ids = document_keys(positions, self.cp, self.cp_rank)  # (B, S_l)
-        return context_parallel_attention(q, k, v, self.group, comm=self.comm, doc_ids=doc_ids)
+        return context_parallel_attention(q, k, v, self.group, comm=self.comm, doc_starts=self._documents(positions))

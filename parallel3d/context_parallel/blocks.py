@@ -77,12 +77,11 @@ def _visible(kind: str, same_doc, cq: int, ck: int, device) -> torch.Tensor | No
 
 
 def _kernel_args(q, kind, same_doc) -> dict:
-    """The CPU flash kernel's mask arguments: ``is_causal`` alone without documents (or
-    where one document covers the whole block: a plain window's positions give every
-    token one document, and the kernel with a mask costs 1.3x a full block, 1.65x a
-    causal one; on the host the check is one pass over the block's ids), else an additive
+    """The CPU flash kernel's mask arguments: ``is_causal`` alone without documents (the
+    caller passes None where the documents mask nothing: ``documents.DocumentStarts``;
+    the kernel with a mask costs 1.3x a full block, 1.65x a causal one), else an additive
     mask in q's dtype (the kernel takes no bool mask)."""
-    if same_doc is None or bool(same_doc.all()):
+    if same_doc is None:
         return {"is_causal": kind == CAUSAL}
     mask = _visible(kind, same_doc, q.shape[2], same_doc.shape[-1], q.device)
     bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
@@ -109,8 +108,11 @@ def block_forward(q, k, v, kind: str, same_doc, scale: float):
 
 def block_backward(q, k, v, out, d_out, lse, delta, kind: str, same_doc, scale: float):
     """(dq (B, H, cq, D), dk, dv (B, Hkv, ck, D)) fp32, the block's share of the
-    gradients, from the whole row's ``out`` (input dtype), ``lse`` and ``delta`` (fp32)."""
+    gradients, from the whole row's ``out`` (input dtype), ``lse`` and ``delta`` (fp32;
+    None: computed here from ``out`` and ``d_out``, as the CPU kernel always does)."""
     if not uses_kernel(q):
+        if delta is None:
+            delta = (d_out.float() * out.float()).sum(-1)  # (B, H, cq)
         return block_backward_ref(q, k, v, d_out, lse, delta, kind, same_doc, scale)
     args = _kernel_args(q, kind, same_doc)
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -119,12 +121,15 @@ def block_backward(q, k, v, out, d_out, lse, delta, kind: str, same_doc, scale: 
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-    """Fold a block's ``(out_b, lse_b)`` into the running ``(out, lse)`` in place; rows
-    with no visible key so far stay 0 / -inf (no NaN from -inf - -inf)."""
-    new = torch.logaddexp(lse, lse_b)
-    ref = new.masked_fill(new == float("-inf"), 0)
-    out.mul_(torch.exp(lse - ref).unsqueeze(-1)).add_(out_b * torch.exp(lse_b - ref).unsqueeze(-1))
-    lse.copy_(new)
+    """Fold a block's ``(out_b, lse_b)`` into the running ``(out, lse)`` in place (views
+    allowed); rows with no visible key so far stay 0 / -inf. With ``w = exp(lse_b - lse')
+    = sigmoid(lse_b - lse)``, the block's share of the row, ``out' = out + w (out_b - out)``:
+    one fused pass over ``out`` (``lerp_``), the rest on the (B, H, c) row statistics.
+    ``w`` is 1 where the row had no key yet (lse -inf) and 0 where the block has none;
+    NaN (neither has one) becomes 0."""
+    w = torch.sigmoid(lse_b - lse).nan_to_num_(nan=0.0).unsqueeze(-1)  # (B, H, c, 1)
+    out.lerp_(out_b, w)
+    torch.logaddexp(lse, lse_b, out=lse)
 
 
 # -- the explicit math: the reference, and the path off CPU -------------------------------

@@ -3,7 +3,6 @@
     gather_from_cp   all-gather of a local tensor into (cp, ...)  <->  reduce-scatter
                      of the gradient (every rank's queries used every rank's K/V, so
                      the owner's dK/dV is the sum over the group)
-    gather_ids       all-gather without autograd (document ids)
     ring_shift       async: send a tensor to cp rank r+1, receive one from r-1 (the ring
                      attention's K/V and dK/dV steps); ``wait()`` returns what came in
 """
@@ -45,11 +44,6 @@ class _GatherFromCP(torch.autograd.Function):
 def gather_from_cp(x: torch.Tensor, group) -> torch.Tensor:
     """Every cp rank's ``x`` stacked (cp, *x.shape); backward reduce-scatters."""
     return _GatherFromCP.apply(x, group)
-
-
-def gather_ids(x: torch.Tensor, group) -> torch.Tensor:
-    """Every cp rank's ``x`` (no gradient) stacked (cp, *x.shape)."""
-    return _all_gather(x, group)
 
 
 class _Shift:

@@ -3,9 +3,11 @@
 Rank ``r`` starts with its own K/V (chunks ``r`` and ``2cp-1-r``); at each of ``cp - 1``
 steps it posts the send of the K/V it holds to ``r+1`` and the receive from ``r-1``, then
 computes the blocks of the K/V at hand (``blocks.ring_plan``: fully masked blocks are
-skipped) while the transfer runs, and merges each block's partial output by its
-log-sum-exp. Messages per rank and layer: forward ``cp-1`` K/V shards; backward ``cp-1``
-K/V shards again plus ``cp`` fp32 dK/dV shards.
+skipped; as spans, ``spans.py``: fewer, larger kernel calls) while the transfer runs, and
+merges each span's partial output by its log-sum-exp. Packed documents need no
+communication: a block's mask is the queries' document starts against the keys' global
+positions (``documents.py``). Messages per rank and layer: forward ``cp-1`` K/V shards;
+backward ``cp-1`` K/V shards again plus ``cp`` fp32 dK/dV shards.
 
 Backward recomputes each block (nothing but q, k, v, the output and the lse is kept)
 and passes dK/dV along with K/V: the accumulator of the K/V a rank holds picks up its
@@ -17,91 +19,72 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .blocks import block_backward, block_forward, block_mask, merge_, ring_plan
-from .comm import gather_ids, ring_shift
+from .blocks import ring_plan
+from .comm import ring_shift
+from .documents import DocumentStarts
+from .spans import Span, backward_spans, forward_spans, merge_spans
 
 KV_TAG, GRAD_TAG = 0, 1
 
 
-def _halves(x: torch.Tensor, dim: int):
-    return x.tensor_split(2, dim=dim)
+def ring_spans(cp: int, cp_rank: int) -> list[list[Span]]:
+    """``blocks.ring_plan``'s blocks of each step as spans (``spans.merge_spans``): at
+    step 0 the three blocks of the own chunks, at each later step one span (both query
+    chunks against the head chunk held, or the tail query chunk against both)."""
+    return [merge_spans(step) for step in ring_plan(cp, cp_rank)]
 
 
-def _docs_by_rank(doc_ids, group):
-    """Every rank's (head, tail) document ids, (B, c) each, or None."""
-    if doc_ids is None:
-        return None
-    return [_halves(d, -1) for d in gather_ids(doc_ids, group).unbind(0)]
-
-
-def _same_doc(docs, r: int, qi: int, src: int, ki: int):
-    """The block's same-document mask (B, 1, c, c): local half ``qi`` against half ``ki``
-    of cp rank ``src``'s keys; None without documents."""
-    return None if docs is None else block_mask(docs[r][qi], docs[src][ki])
+def _held_chunks(cp: int, cp_rank: int, t: int) -> tuple[int, int]:
+    """The global chunks of the K/V held at step ``t``: cp rank ``(cp_rank - t) % cp``'s."""
+    src = (cp_rank - t) % cp
+    return src, 2 * cp - 1 - src
 
 
 class _RingAttention(torch.autograd.Function):
-    """q (B, H, S_l, D), k / v (B, Hkv, S_l, D), doc_ids (B, S_l) or None -> (B, H, S_l, D)."""
+    """q (B, H, S_l, D), k / v (B, Hkv, S_l, D), docs a ``DocumentStarts`` or None -> (B, H, S_l, D)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, doc_ids, group, scale):
+    def forward(ctx, q, k, v, docs, group, scale):
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        qh = _halves(q, 2)  # head and tail chunk, (B, H, c, D) each
-        docs = _docs_by_rank(doc_ids, group)
-        out = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
-        lse = [torch.full(h.shape[:-1], float("-inf"), device=q.device) for h in qh]
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
         kv = torch.stack([k, v])  # (2, B, Hkv, S_l, D): one message a step
-        for t, blocks in enumerate(ring_plan(cp, r)):
+        for t, spans in enumerate(ring_spans(cp, r)):
             pending = ring_shift(kv, group, KV_TAG) if t < cp - 1 else None
-            src = (r - t) % cp
-            kh, vh = _halves(kv[0], 2), _halves(kv[1], 2)
-            for qi, ki, kind in blocks:
-                same_doc = _same_doc(docs, r, qi, src, ki)
-                o_b, lse_b = block_forward(qh[qi], kh[ki], vh[ki], kind, same_doc, scale)
-                merge_(out[qi], lse[qi], o_b, lse_b)
+            forward_spans(q, kv, spans, _held_chunks(cp, r, t), docs, scale, out, lse)
             if pending is not None:
                 kv = pending.wait()
-        o = torch.cat(out, dim=2).to(q.dtype)  # (B, H, S_l, D)
-        ctx.save_for_backward(q, k, v, o, torch.cat(lse, dim=2), doc_ids)
-        ctx.group, ctx.scale, ctx.has_docs = group, scale, doc_ids is not None
+        o = out.to(q.dtype)  # (B, H, S_l, D)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.group, ctx.scale, ctx.docs = group, scale, docs
         return o
 
     @staticmethod
     def backward(ctx, d_out):
-        q, k, v, o, lse, doc_ids = ctx.saved_tensors
-        group, scale = ctx.group, ctx.scale
+        q, k, v, o, lse = ctx.saved_tensors
+        group, scale, docs = ctx.group, ctx.scale, ctx.docs
         cp, r = dist.get_world_size(group), dist.get_rank(group)
         d_out = d_out.to(q.dtype)
-        delta = (d_out.float() * o.float()).sum(-1)  # (B, H, S_l)
-        qh, oh, doh, lseh, deltah = (_halves(x, 2) for x in (q, o, d_out, lse, delta))
-        docs = _docs_by_rank(doc_ids if ctx.has_docs else None, group)
-        dq = [torch.zeros(h.shape, dtype=torch.float32, device=q.device) for h in qh]
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         incoming = None  # the dK/dV accumulator of the K/V now held, from rank r-1
-        for t, blocks in enumerate(ring_plan(cp, r)):
+        for t, spans in enumerate(ring_spans(cp, r)):
             pending = ring_shift(kv, group, KV_TAG) if t < cp - 1 else None
-            src = (r - t) % cp
-            kh, vh = _halves(kv[0], 2), _halves(kv[1], 2)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, S_l, D)
-            dkh, dvh = _halves(dkv[0], 2), _halves(dkv[1], 2)
-            for qi, ki, kind in blocks:
-                same_doc = _same_doc(docs, r, qi, src, ki)
-                dq_b, dk_b, dv_b = block_backward(qh[qi], kh[ki], vh[ki], oh[qi], doh[qi], lseh[qi],
-                                                  deltah[qi], kind, same_doc, scale)
-                dq[qi].add_(dq_b)
-                dkh[ki].add_(dk_b)
-                dvh[ki].add_(dv_b)
+            backward_spans(q, kv, o, d_out, lse, spans, _held_chunks(cp, r, t), docs, scale, dq, dkv)
             if incoming is not None:
                 dkv.add_(incoming.wait())
             incoming = ring_shift(dkv, group, GRAD_TAG)  # on to the next holder, last: the owner
             if pending is not None:
                 kv = pending.wait()
         dkv = incoming.wait()
-        return torch.cat(dq, dim=2).to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, group, doc_ids=None, scale=None):
+def ring_attention(q, k, v, group, doc_starts=None, scale=None):
     """Causal attention of this rank's head-tail queries over the whole sequence, K/V
-    passed around ``group`` (cp >= 2). See the module docstring."""
+    passed around ``group`` (cp >= 2); ``doc_starts`` the local queries' document starts
+    (B, S_l) (or a ``documents.DocumentStarts``), None for one causal sequence. See the
+    module docstring."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return _RingAttention.apply(q, k, v, doc_ids, group, scale)
+    return _RingAttention.apply(q, k, v, DocumentStarts.of(doc_starts), group, scale)
