@@ -158,8 +158,14 @@ class _GroupedFunction(torch.autograd.Function):
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts, backend: str = "auto") -> torch.Tensor:
     """Differentiable ``y[rows_g] = x[rows_g] w[g]^T``: x (R, K) rows sorted by group,
-    w (G, N, K), ``counts`` G ints summing to R -> y (R, N) in x's dtype."""
+    w (G, N, K), ``counts`` G ints summing to R -> y (R, N) in x's dtype (in the autocast
+    dtype inside an autocast region, as F.linear)."""
     _check_backend(backend)
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+        # as F.linear under autocast: both operands in the autocast dtype (the Function
+        # runs its GEMMs on what it is given; gradients flow back through the casts)
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     _tg._check_weights(w)
     _tg._check_2d(x, "x", w.shape[2], w.dtype, w.device)
     counts = _tg.check_counts(counts, w.shape[0], x.shape[0])

@@ -232,6 +232,24 @@ def test_bf16_grouped_linear_on_cpu_within_derived_tolerance():
     assert_matches(torch.stack(ours[2]), dw, TOL[torch.bfloat16], "dW bf16")
 
 
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+def test_autocast_casts_like_f_linear(backend):
+    """Under bf16 autocast the stacked path computes in bf16 from fp32 weights, as the
+    per-expert F.linear loop does there, and hands fp32 gradients to the fp32 weights."""
+    counts, n, k = [5, 0, 37, 1, 20], 56, 72
+    x, w, dy = make_inputs(counts, n, k, torch.float32, seed=6, device="cpu")
+    weights = list(w.unbind())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = run_grouped_linear(x, weights, dy.bfloat16(), counts, backend)
+        ref = per_expert_loop(x, weights, dy.bfloat16(), counts)
+    assert ours[0].dtype == torch.bfloat16 and ours[1].dtype == torch.float32
+    assert_matches(ours[0], ref[0], TOL[torch.bfloat16], "y under autocast")
+    assert_matches(ours[1], ref[1], TOL[torch.bfloat16], "dx under autocast")
+    for got, want in zip(ours[2], ref[2]):
+        assert got.dtype == torch.float32
+        assert_matches(got, want, TOL[torch.bfloat16], "dW under autocast")
+
+
 def _raises_one_line(fn):
     with pytest.raises(ValueError) as info:
         fn()
