@@ -80,7 +80,7 @@ def _skewed_counts(groups: int, rows: int) -> list[int]:
 
 def gemm_errors(backend: str, counts, n: int, k: int, dtype, device) -> dict[str, float]:
     """Max |ours - ref| / max |ref| of fwd, dgrad and wgrad of ``backend`` against float64."""
-    from parallel3d.kernels.grouped_linear import grouped_gemm
+    from parallel3d.kernels.grouped_linear import run_grouped_gemm
 
     gen = torch.Generator(device=device).manual_seed(n + k)
     rows = sum(counts)
@@ -91,8 +91,8 @@ def gemm_errors(backend: str, counts, n: int, k: int, dtype, device) -> dict[str
     ref = {"fwd": torch.cat([a @ w64[g].t() for g, a in enumerate(xs)]),
            "dgrad": torch.cat([a @ w64[g] for g, a in enumerate(dys)]),
            "wgrad": torch.stack([d.t() @ a for d, a in zip(dys, xs)])}
-    got = {"fwd": grouped_gemm("fwd", x, w, counts, backend), "dgrad": grouped_gemm("dgrad", dy, w, counts, backend),
-           "wgrad": grouped_gemm("wgrad", dy, x, counts, backend)}
+    got = {"fwd": run_grouped_gemm("fwd", x, w, counts, backend), "dgrad": run_grouped_gemm("dgrad", dy, w, counts, backend),
+           "wgrad": run_grouped_gemm("wgrad", dy, x, counts, backend)}
     errs = {kind: _rel_err64(got[kind], ref[kind]) for kind in ref}
     if bool(got["wgrad"][1].count_nonzero()):  # the empty expert's dW must be exactly 0
         errs["wgrad"] = float("inf")
@@ -124,7 +124,7 @@ def grouped_gemms(smoke: bool, emit) -> None:
         w = torch.randn(groups, n, k, device=s["device"], generator=gen).to(s["dtype"])
         operands = {"fwd": (x, w), "dgrad": (dy, w), "wgrad": (dy, x)}
         tflop = 2 * rows * n * k / 1e12
-        ms = {(kind, be): timer(lambda: GL.grouped_gemm(kind, a, b, counts, be))
+        ms = {(kind, be): timer(lambda: GL.run_grouped_gemm(kind, a, b, counts, be))
               for kind, (a, b) in operands.items() for be in ("triton", "grouped_mm")}
         digits = 3 if smoke else 0
         row = {"part": "GEMM speed", "layer": layer, "side": "triton vs grouped_mm",

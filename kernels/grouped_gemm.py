@@ -189,6 +189,19 @@ def _cuda_tiles(counts: tuple, block_m: int, device: torch.device) -> tuple[torc
     return _to_device(table, device), n_tiles
 
 
+def row_offsets(counts: list[int], device: torch.device, *, first: bool = True) -> torch.Tensor:
+    """int32 prefix sums of ``counts`` on ``device``: (G + 1,) from 0, or without the 0 (the
+    end rows, ``torch._grouped_mm``'s ``offs``); on a GPU made once per counts (cached)."""
+    if device.type == "cuda":
+        return _cuda_offsets(tuple(counts), first, device)
+    return _to_device(np.cumsum([0] + list(counts))[0 if first else 1:], device)
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_offsets(counts: tuple, first: bool, device: torch.device) -> torch.Tensor:
+    return _to_device(np.cumsum((0,) + counts)[0 if first else 1:], device)
+
+
 def _mean_rows(counts: list[int]) -> int:
     busy = [n for n in counts if n > 0]
     return max(1, sum(busy) // max(1, len(busy)))
@@ -283,12 +296,9 @@ def grouped_grad_weight(dy, x, counts, *, config=None):
         return torch.zeros((groups, n, k), dtype=x.dtype, device=x.device)
     dw = torch.empty((groups, n, k), dtype=x.dtype, device=x.device)
     cfg = config or heuristic_config(x.dtype, n, k, _mean_rows(counts), interpreted=_INTERPRETED)
-    offsets = [0]
-    for c in counts:
-        offsets.append(offsets[-1] + c)
     grid = (groups * triton.cdiv(n, cfg.block_m) * triton.cdiv(k, cfg.block_n),)
     _wgrad_kernel[grid](
-        dy, x, dw, _to_device(offsets, x.device), n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
+        dy, x, dw, row_offsets(counts, x.device), n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1),
         dw.stride(0), dw.stride(1), dw.stride(2), FP32_IEEE=x.dtype == torch.float32,
         INT64=_needs_int64(dy, x, dw), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

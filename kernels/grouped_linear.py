@@ -39,7 +39,7 @@ from . import grouped_gemm as _tg  # registers the torch.ops.parallel3d.grouped_
 from ._matmul_common import _DTYPE_NAMES
 from .gemm import _cuda_seconds, gpu_name
 
-__all__ = ["grouped_linear", "grouped_mm", "grouped_gemm", "pick_grouped_backend", "measure_grouped_backends",
+__all__ = ["grouped_linear", "grouped_mm", "run_grouped_gemm", "pick_grouped_backend", "measure_grouped_backends",
            "grouped_backend_choices", "load_grouped_backend_choices", "clear_grouped_backend_choices",
            "GROUPED_BACKENDS"]
 
@@ -102,16 +102,7 @@ def _resolve(backend: str, kind: str, t: torch.Tensor, w_shape) -> str:
     return backend
 
 
-def _offsets(counts: list[int], device) -> torch.Tensor:
-    """torch._grouped_mm's int32 offsets: the end row of each group."""
-    ends, total = [], 0
-    for c in counts:
-        total += c
-        ends.append(total)
-    return _tg._to_device(ends, device)
-
-
-def grouped_gemm(kind: str, a: torch.Tensor, b: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
+def run_grouped_gemm(kind: str, a: torch.Tensor, b: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
     """One grouped GEMM without autograd: ("fwd", x, w), ("dgrad", dy, w) or ("wgrad", dy, x),
     shapes as in the module docstring; ``backend`` one of GROUPED_BACKENDS."""
     groups = len(counts)
@@ -122,8 +113,8 @@ def grouped_gemm(kind: str, a: torch.Tensor, b: torch.Tensor, counts: list[int],
         return op(a.contiguous(), b.contiguous(), counts)
     if chosen == "grouped_mm":
         if a.shape[0] == 0:  # no rows at all: _grouped_mm refuses a zero-length jagged dim
-            return grouped_gemm(kind, a, b, counts, "loop")
-        offs = _offsets(counts, a.device)
+            return run_grouped_gemm(kind, a, b, counts, "loop")
+        offs = _tg.row_offsets(counts, a.device, first=False)
         if kind == "fwd":
             return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
         if kind == "dgrad":
@@ -145,14 +136,14 @@ class _GroupedFunction(torch.autograd.Function):
     def forward(ctx, x, w, counts, backend):
         ctx.save_for_backward(x, w)
         ctx.counts, ctx.backend = counts, backend
-        return grouped_gemm("fwd", x, w, counts, backend)
+        return run_grouped_gemm("fwd", x, w, counts, backend)
 
     @staticmethod
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = grouped_gemm("dgrad", dy, w, ctx.counts, ctx.backend) if ctx.needs_input_grad[0] else None
-        dw = grouped_gemm("wgrad", dy, x, ctx.counts, ctx.backend) if ctx.needs_input_grad[1] else None
+        dx = run_grouped_gemm("dgrad", dy, w, ctx.counts, ctx.backend) if ctx.needs_input_grad[0] else None
+        dw = run_grouped_gemm("wgrad", dy, x, ctx.counts, ctx.backend) if ctx.needs_input_grad[1] else None
         return dx, dw, None, None
 
 
@@ -224,8 +215,8 @@ def measure_grouped_backends(groups: int, rows: int, n: int, k: int, dtype, devi
     out = {}
     for kind in kinds:
         a, b = operands[kind]
-        triton_s = timer(lambda: grouped_gemm(kind, a, b, counts, "triton"))
-        other_s = timer(lambda: grouped_gemm(kind, a, b, counts, other))
+        triton_s = timer(lambda: run_grouped_gemm(kind, a, b, counts, "triton"))
+        other_s = timer(lambda: run_grouped_gemm(kind, a, b, counts, other))
         if not (triton_s > 0 and other_s > 0):
             raise ValueError(f"timings must be positive seconds, got triton {triton_s!r}, {other} {other_s!r}")
         choice = "triton" if triton_s <= other_s else other

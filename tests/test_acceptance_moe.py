@@ -62,10 +62,10 @@ def test_gemm_errors_flag_an_empty_expert_given_a_gradient(monkeypatch):
     counts = moe_section._skewed_counts(4, 48)
     assert counts[1] == 0 and sum(counts) == 48
     assert max(moe_section.gemm_errors("loop", counts, 24, 32, torch.float32, "cpu").values()) < 1e-5
-    gemm = GL.grouped_gemm
+    gemm = GL.run_grouped_gemm
 
     def leaky(kind, a, b, counts_, backend):
         out = gemm(kind, a, b, counts_, backend)
         return out + 1e-3 if kind == "wgrad" else out
-    monkeypatch.setattr(GL, "grouped_gemm", leaky)
+    monkeypatch.setattr(GL, "run_grouped_gemm", leaky)
     assert moe_section.gemm_errors("loop", counts, 24, 32, torch.float32, "cpu")["wgrad"] == float("inf")
