@@ -36,11 +36,12 @@ class ExpertParallelExperts(Experts):
     def __init__(self, held: dict[int, nn.Module], group):
         nn.ModuleDict.__init__(self, {str(e): m for e, m in sorted(held.items())})
         self.group = group
+        self.timeline = None  # the trainer's: the all-to-alls' waits are recorded there
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         run_local = super().forward  # the held experts on rows sorted by local expert
         counts = torch.tensor(counts, dtype=torch.int64, device=x.device)
-        return dispatch_experts_combine(x, counts, run_local, self.group)
+        return dispatch_experts_combine(x, counts, run_local, self.group, self.timeline)
 
 
 def local_experts(n_experts: int, ep: int, ep_rank: int) -> range:

@@ -21,6 +21,7 @@ rows of every rank. At ``ep_group`` None or of one rank it is the local computat
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -43,23 +44,37 @@ def _all_to_all_rows(x: torch.Tensor, send: list[int], receive: list[int], group
     return out
 
 
+CATEGORY = "all-to-all"  # the timeline category of the token exchanges' waits
+
+
+def _span(timeline, name: str):
+    """The time blocked in a token all-to-all, as a span of category "all-to-all" on the
+    trainer's timeline (not a breakdown category: it sits inside forward and backward)."""
+    if timeline is None:
+        return contextlib.nullcontext()
+    return timeline.span(name, CATEGORY, lane="comm")
+
+
 class _AllToAll(torch.autograd.Function):
     """Forward: rows by ``send`` / ``receive`` splits. Backward: the gradient's rows by the
     swapped splits, back to the ranks they came from."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
-        ctx.send, ctx.receive, ctx.group = send, receive, group
-        return _all_to_all_rows(x, send, receive, group)
+    def forward(ctx, x: torch.Tensor, send: list[int], receive: list[int], group, timeline=None) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.group, ctx.timeline = send, receive, group, timeline
+        with _span(timeline, "all-to-all"):
+            return _all_to_all_rows(x, send, receive, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all_rows(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+        with _span(ctx.timeline, "all-to-all (backward)"):
+            return _all_to_all_rows(grad, ctx.receive, ctx.send, ctx.group), None, None, None, None
 
 
-def all_to_all_rows(x: torch.Tensor, send: list[int], receive: list[int], group) -> torch.Tensor:
-    """Differentiable row all-to-all (see :class:`_AllToAll`)."""
-    return _AllToAll.apply(x, send, receive, group)
+def all_to_all_rows(x: torch.Tensor, send: list[int], receive: list[int], group, timeline=None) -> torch.Tensor:
+    """Differentiable row all-to-all (see :class:`_AllToAll`); ``timeline``: where its
+    waits are recorded (both directions)."""
+    return _AllToAll.apply(x, send, receive, group, timeline)
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
@@ -75,25 +90,28 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
 
 def dispatch_experts_combine(x: torch.Tensor, counts: torch.Tensor,
                              run_local: Callable[[torch.Tensor, list[int]], torch.Tensor],
-                             group) -> torch.Tensor:
+                             group, timeline=None) -> torch.Tensor:
     """Rows ``x`` (N, dim) sorted by global expert with ``counts`` (E,) per expert, through
     the experts wherever they live; returns (N, dim) in ``x``'s row order.
 
     ``run_local(rows, local_counts)`` runs this rank's L experts on rows sorted by local
     expert (``local_counts[e]`` rows for local expert e), as ``Experts.forward`` does.
+    ``timeline``: the trainer's, where the all-to-alls' waits are recorded (category
+    "all-to-all").
     """
     ep = _group_size(group)
     if ep == 1:
         return run_local(x, counts.tolist())
     if counts.numel() % ep:
         raise ValueError(f"{counts.numel()} experts do not split over an expert group of {ep} ranks")
-    arriving = exchange_counts(counts, group)  # (ep, L)
-    send = counts.reshape(ep, -1).sum(1).tolist()
-    receive = arriving.sum(1).tolist()
-    rows = all_to_all_rows(x, send, receive, group)  # (R, dim), source-major
+    with _span(timeline, "all-to-all (counts)"):
+        arriving = exchange_counts(counts, group)  # (ep, L)
+        send = counts.reshape(ep, -1).sum(1).tolist()
+        receive = arriving.sum(1).tolist()
+    rows = all_to_all_rows(x, send, receive, group, timeline)  # (R, dim), source-major
     n_local = arriving.shape[1]
     local_expert = torch.arange(n_local, device=counts.device).repeat(ep)  # each (source, expert) run
     order = torch.argsort(torch.repeat_interleave(local_expert, arriving.reshape(-1)), stable=True)
     out = run_local(rows[order], arriving.sum(0).tolist())  # local-expert-major
     back = torch.empty_like(out).index_copy(0, order, out)  # source-major again
-    return all_to_all_rows(back, receive, send, group)
+    return all_to_all_rows(back, receive, send, group, timeline)

@@ -43,6 +43,12 @@ def _extras(record: dict, data_wait_s: float) -> str:
         out += f"  val_loss {record['val_loss']:.4f}"
     if "mfu" in record:
         out += f"  MFU {record['mfu'] * 100:.1f}%"
+    if "expert_imbalance" in record:  # a Mixture-of-Experts model
+        out += f"  aux {record['aux_loss']:.4f}  experts max/mean {record['expert_imbalance']:.2f}"
+        if record.get("dropped_tokens"):
+            out += f"  dropped {record['dropped_tokens']}"
+        if record.get("all_to_all_s"):
+            out += f"  all-to-all {record['all_to_all_share'] * 100:.0f}%"
     return out
 
 

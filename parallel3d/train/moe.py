@@ -15,32 +15,44 @@ over the global batch; 1 is balanced) and ``dropped_tokens`` (assignments over c
 
 from __future__ import annotations
 
-from parallel3d.models.moe.parallelize import finish_moe_step, prepare_moe_training
+from parallel3d.expert_parallel.dispatch import CATEGORY
+from parallel3d.models.moe.parallelize import ExpertParallelExperts, finish_moe_step, prepare_moe_training
 
 
 class MoESteps:
-    def __init__(self, model, n_sparse_layers: int, topo, sequence_parallel: bool):
+    def __init__(self, model, n_sparse_layers: int, topo, sequence_parallel: bool, timeline=None):
         self.model, self.topo, self.sp = model, topo, sequence_parallel
         self.n_sparse = n_sparse_layers
+        self.timeline = timeline
+        for module in model.modules():  # the token all-to-alls record their waits there
+            if isinstance(module, ExpertParallelExperts):
+                module.timeline = timeline
 
     @classmethod
-    def of(cls, model, model_cfg, topo, sequence_parallel: bool) -> "MoESteps | None":
+    def of(cls, model, model_cfg, topo, sequence_parallel: bool, timeline=None) -> "MoESteps | None":
         """None for a model without sparse layers anywhere (a stage without any of a MoE
         model's sparse layers still takes part in the figures' reduction)."""
         moe = getattr(model_cfg, "moe", None)
         if moe is None:
             return None
         n_sparse = sum(moe.is_sparse(i) for i in range(model_cfg.n_layers))
-        return cls(model, n_sparse, topo, sequence_parallel) if n_sparse else None
+        return cls(model, n_sparse, topo, sequence_parallel, timeline) if n_sparse else None
 
     def begin_step(self, n_micro: int) -> None:
         prepare_moe_training(self.model, self.topo, self.sp, n_micro, self.n_sparse)
 
     def finish_step(self) -> dict:
-        return finish_moe_step(self.model, self.topo, self.sp)
+        """This rank's parts (:func:`finish_moe_step`) and its seconds blocked in the token
+        all-to-alls (max over the world: the slowest rank's)."""
+        parts = finish_moe_step(self.model, self.topo, self.sp)
+        waited = self.timeline.step_breakdown().get(CATEGORY, 0.0) if self.timeline is not None else 0.0
+        parts["all_to_all_s"] = parts["imbalance"].new_tensor(waited)
+        return parts
 
-    def record(self, reduced: dict) -> dict:
+    def record(self, reduced: dict, step_time_s: float) -> dict:
         """The record's fields from the world-reduced parts."""
+        a2a = float(reduced["all_to_all_s"])
         return {"aux_loss": float(reduced["aux_loss"]) / self.topo.dp,
                 "expert_imbalance": float(reduced["imbalance"]),
-                "dropped_tokens": int(round(float(reduced["dropped"])))}
+                "dropped_tokens": int(round(float(reduced["dropped"]))),
+                "all_to_all_s": a2a, "all_to_all_share": a2a / step_time_s if step_time_s > 0 else 0.0}

@@ -89,8 +89,8 @@ class Trainer:
         self.dtype = storage_dtype(cfg.train, self.device)
         self.model, self.loss_fn = build_meta_llama(self.model_cfg, topo, cfg.parallel)
         apply_recompute(self.model, cfg.train.recompute)
-        self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel.sequence_parallel)
         self.timeline = Timeline(self.device, cfg.run.trace_steps)
+        self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel.sequence_parallel, self.timeline)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
@@ -189,7 +189,7 @@ class Trainer:
                   **self.observer.throughput(dt)}
         self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0, cpu))
         if moe_parts is not None:
-            record.update(self.moe.record(moe_parts))
+            record.update(self.moe.record(moe_parts, dt))
         record.update(self._check_numbers(loss, grad_norm))
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
@@ -233,7 +233,7 @@ class Trainer:
         previous = self._pending
         figures, maxes = self.observer.payload(previous[1] if previous else None)
         extra_sums = [extra[k].reshape(1).to(head) for k in ("aux_loss", "dropped")] if extra else []
-        extra_max = [extra["imbalance"].reshape(1).to(head)] if extra else []
+        extra_max = [extra[k].reshape(1).to(head) for k in ("imbalance", "all_to_all_s")] if extra else []
         sums = torch.cat([head, *extra_sums, figures])
         maxes = torch.cat([*extra_max, maxes])
         self.watch.enter("step all-reduce (gradient norm, loss, per-rank metrics)", "world")
@@ -242,7 +242,7 @@ class Trainer:
         timeline.close_window(closing="step sums")
         head = sums[:2].float()
         if extra:
-            extra.update(aux_loss=sums[2], dropped=sums[3], imbalance=maxes[0])
+            extra.update(aux_loss=sums[2], dropped=sums[3], imbalance=maxes[0], all_to_all_s=maxes[1])
             sums, maxes = sums[2 + len(extra_sums):], maxes[len(extra_max):]
         else:
             sums = sums[2:]
