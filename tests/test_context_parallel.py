@@ -39,11 +39,11 @@ from parallel3d.context_parallel import (choose_comm, context_parallel_attention
                                          document_keys, kv_bytes_per_layer, score_elements,
                                          shard_documents, shard_positions, shard_sequence,
                                          unshard_sequence)
-from parallel3d.context_parallel import blocks
+from parallel3d.context_parallel import blocks, spans
 from parallel3d.context_parallel.attention import ContextParallelAttention
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
 from parallel3d.context_parallel.documents import SKIP, DocumentStarts
-from parallel3d.context_parallel.gathered import gathered_plan, gathered_spans
+from parallel3d.context_parallel.gathered import gathered_attention, gathered_plan, gathered_spans
 from parallel3d.context_parallel.ring import ring_spans
 from parallel3d.models.llama import Llama, LlamaConfig
 from parallel3d.models.llama.documents import document_mask
@@ -105,18 +105,21 @@ def _errors(cp: int, comm: str, dtype: torch.dtype, docs: bool, heads=(4, 2)) ->
 @contextlib.contextmanager
 def _block_path(path: str):
     """The blocks (both modes compute by blocks) through the CPU flash kernel ("kernel",
-    the CPU default) or the explicit math ("ref", what other devices run)."""
-    default = blocks.uses_kernel
-    blocks.uses_kernel = lambda q: path == "kernel"
+    the CPU default) or the explicit math ("ref", what other devices run); "pieces": the
+    kernel with every unmasked causal block cut into rows of 2 queries (``CAUSAL_PIECE``:
+    256 in use, more than these chunks of 6 or 3 tokens hold)."""
+    default, piece = blocks.uses_kernel, spans.CAUSAL_PIECE
+    blocks.uses_kernel = lambda q: path != "ref"
+    spans.CAUSAL_PIECE = 2 if path == "pieces" else piece
     try:
         yield
     finally:
-        blocks.uses_kernel = default
+        blocks.uses_kernel, spans.CAUSAL_PIECE = default, piece
 
 
 def _all_cases(cp: int, comm: str) -> dict:
     out = {}
-    for path in ("kernel", "ref"):
+    for path in ("kernel", "ref", "pieces"):
         with _block_path(path):
             out.update({(path, dtype, docs): _errors(cp, comm, dtype, docs)
                         for dtype in (torch.float32, torch.bfloat16) for docs in (False, True)})
@@ -168,6 +171,32 @@ def test_a_block_by_the_cpu_kernel_equals_the_explicit_math(kind):
         for g, g_ref in zip(grads, grads_ref):
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
     assert lse_ref[1].isinf().all() and not lse_ref[0].isinf().any()  # the last case: empty rows
+
+
+def test_causal_blocks_in_uneven_rows_equal_sdpa(monkeypatch):
+    """The all-gather mode's local part (both cp 2 ranks in this process, the K/V given
+    whole) with its causal blocks of c = 10 tokens cut into rows of 3, 3 and 4
+    (``CAUSAL_PIECE`` 3): output and gradients against causal SDPA, fp32."""
+    monkeypatch.setattr(spans, "CAUSAL_PIECE", 3)
+    torch.manual_seed(4)
+    S = 40
+    q, d_out = torch.randn(2, 4, S, 8), torch.randn(2, 4, S, 8)
+    kv = torch.randn(2, 2, 2, S, 8, requires_grad=True)
+    ref_q = q.clone().requires_grad_()
+    ref = F.scaled_dot_product_attention(ref_q, kv[0], kv[1], is_causal=True, enable_gqa=True)
+    ref_kv_grad, = torch.autograd.grad(ref, kv, d_out, retain_graph=True)
+    ref.backward(d_out)
+    kv.grad = None
+    for r in range(2):
+        q_r = shard_sequence(q, 2, r, dim=2).requires_grad_()
+        out = gathered_attention(q_r, kv, 2, r)
+        out.backward(shard_sequence(d_out, 2, r, dim=2))
+        torch.testing.assert_close(out, shard_sequence(ref, 2, r, dim=2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q_r.grad, shard_sequence(ref_q.grad, 2, r, dim=2), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv.grad, ref_kv_grad, rtol=1e-5, atol=1e-5)  # summed over the ranks
+    calls = spans._calls((0, 1), (0, 1), CAUSAL, None, 10)
+    assert [(r.start, r.stop, c.start, c.stop, kind) for r, c, kind, _ in calls] == [
+        (0, 3, 0, 3, CAUSAL), (3, 6, 0, 3, FULL), (3, 6, 3, 6, CAUSAL), (6, 10, 0, 6, FULL), (6, 10, 6, 10, CAUSAL)]
 
 
 def test_cp_1_is_plain_attention():
