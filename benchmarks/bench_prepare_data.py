@@ -1,6 +1,13 @@
-"""prepare-data throughput on ~30 MB of mixed text and JSON lines, against the tokenizer alone.
+"""prepare-data throughput on ~30 MB of mixed text and JSON lines, against the tokenizer alone;
+with --corpus-gb, a generated JSONL corpus against ``datasets``' map (issue 34).
 
     python benchmarks/bench_prepare_data.py [--mb 40] [--workers N]
+    python benchmarks/bench_prepare_data.py --corpus-gb 2 [--workers 2] [--dir DIR]
+
+--corpus-gb: see :mod:`bench_prepare_corpus` (the same tokenizer on both sides, each in a
+child process, side by side in one run: wall time, MB/s, CPU-seconds per wall second, peak
+resident memory of the whole process tree; then prepare-data killed half-way and rerun,
+checked byte for byte against the uninterrupted result).
 
 Input: this machine's Python standard library sources (about 31 MB of .py files; --mb
 caps it), written as one .txt file per document for the first quarter of the documents,
@@ -32,6 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from data_inputs import make_mixed_inputs, make_tokenizer  # noqa: E402
 
@@ -66,7 +74,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--mb", type=float, default=40.0, help="cap on the input size (default 40)")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--corpus-gb", type=float, default=0.0,
+                    help="generate a JSONL corpus of this many GB and race datasets' map (issue 34)")
+    ap.add_argument("--dir", default=None, help="--corpus-gb: where to write (default: a temp dir)")
     args = ap.parse_args()
+    if args.corpus_gb:
+        from bench_prepare_corpus import corpus_main
+
+        corpus_main(args.corpus_gb, args.workers, args.dir)
+        return
     with tempfile.TemporaryDirectory(prefix="p3d-bench-") as tmp:
         tmp = Path(tmp)
         tok_dir = make_tokenizer(tmp / "tok", vocab_size=4096)

@@ -5,7 +5,9 @@ token windows (memory-mapped shards) into tensors, pins them when the device is 
 queues up to ``depth`` steps in a daemon thread. ``next()`` hands the trainer one step's
 micro-batches on the device together with the seconds it blocked for them (the step's
 ``data_wait_s``: zero when the data was ready in time). ``depth=0`` builds each step's
-batch in ``next()`` instead; then the wait is the whole time spent building it.
+batch in ``next()`` instead; then the wait is the whole time spent building it. Every
+wait, step and build time goes to a :class:`~parallel3d.data.stalls.StallMonitor`
+(``self.stalls``), whose data-bound line ``log`` prints.
 
 What the trainer has consumed, not what the thread has read ahead, is the sampler's
 position: ``state_dict()`` resumes at the first step the trainer has not been given.
@@ -28,6 +30,7 @@ import torch
 
 from parallel3d.data.batch import MicroBatch
 from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
+from parallel3d.data.stalls import StallMonitor
 
 _DONE = object()
 
@@ -50,23 +53,27 @@ def _to(mb, device):
 
 
 def _build_step(windows: TokenWindows, sampler: GlobalBatchSampler, position: int, pin: bool,
-                check=None):
+                check=None, monitor: StallMonitor | None = None):
+    t0 = time.perf_counter()
     if check is not None:
         check(position)
     out = step_micro_batches(windows, sampler, position)
     if pin:
         out = [mb.pin_memory() if isinstance(mb, MicroBatch) else tuple(t.pin_memory() for t in mb)
                for mb in out]
+    if monitor is not None:
+        monitor.built(time.perf_counter() - t0)
     return out
 
 
-def _produce(windows, sampler, start: int, pin: bool, q: queue.Queue, stop: threading.Event, check):
+def _produce(windows, sampler, start: int, pin: bool, q: queue.Queue, stop: threading.Event, check,
+             monitor=None):
     # A plain function (not a method) so that the thread holds no reference to the loader:
     # a loader nobody closes is still collected, and its finalizer stops this thread.
     position = start
     try:
         while not stop.is_set():
-            item = (position, _build_step(windows, sampler, position, pin, check))
+            item = (position, _build_step(windows, sampler, position, pin, check, monitor))
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.2)
@@ -91,9 +98,12 @@ def _stop_thread(thread: threading.Thread | None, stop: threading.Event) -> None
 
 class PrefetchLoader:
     def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler,
-                 device: torch.device, depth: int = 2, check=None, before_step=None):
+                 device: torch.device, depth: int = 2, check=None, before_step=None, log=None):
         self.windows, self.sampler, self.device, self.depth = windows, sampler, device, depth
         self.check, self.before_step = check, before_step  # see the module docstring
+        # waits against steps (parallel3d/data/stalls.py); ``log`` prints its data-bound line
+        self.stalls, self.log = StallMonitor(depth), log
+        self._last_end: float | None = None
         self._pin = device.type == "cuda"
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -105,7 +115,7 @@ class PrefetchLoader:
         self._thread = threading.Thread(
             target=_produce, name="p3d-prefetch", daemon=True,
             args=(self.windows, self.sampler, self.sampler.consumed, self._pin, self._queue, self._stop,
-                  self.check))
+                  self.check, self.stalls))
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop_thread, self._thread, self._stop)
 
@@ -116,7 +126,8 @@ class PrefetchLoader:
         if self.before_step is not None:
             self.before_step()
         if self.depth <= 0:
-            batches = _build_step(self.windows, self.sampler, self.sampler.consumed, self._pin, self.check)
+            batches = _build_step(self.windows, self.sampler, self.sampler.consumed, self._pin, self.check,
+                                  self.stalls)
         else:
             if self._thread is None:
                 self._start()
@@ -130,7 +141,12 @@ class PrefetchLoader:
         on_advance = getattr(self.sampler, "on_advance", None)  # a blend logs its sources' epochs
         if on_advance is not None:
             on_advance(before, self.sampler.consumed)
-        wait = time.perf_counter() - t0
+        end = time.perf_counter()
+        wait = end - t0
+        line = self.stalls.step(wait, None if self._last_end is None else end - self._last_end)
+        self._last_end = end
+        if line is not None and self.log is not None:
+            self.log(line)
         return [_to(mb, self.device) for mb in batches], wait
 
     def state_dict(self) -> dict:
@@ -138,6 +154,7 @@ class PrefetchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.close()  # what was read ahead belongs to the old position
+        self._last_end = None
         self.sampler.load_state_dict(state)
 
     def close(self) -> None:

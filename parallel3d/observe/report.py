@@ -28,6 +28,7 @@ import json
 import statistics
 from pathlib import Path
 
+from parallel3d.data.stalls import DATA_BOUND_SHARE
 from parallel3d.errors import UserError
 from parallel3d.observe.stats import BREAKDOWN
 
@@ -140,6 +141,7 @@ def summary(records: list[dict], events: list[dict] = ()) -> str:
         total = sum(med(k) for k in BREAKDOWN) or 1.0
         lines.append("breakdown (median, share): " + ", ".join(
             f"{_LABELS[k]} {med(k) / total * 100:.0f}%" for k in BREAKDOWN))
+    lines += data_bound_lines(steady)
     if "max_busy_s" in last:
         most, least = med("max_busy_s"), med("min_busy_s")
         if most > least * (1 + SLOWEST_GAP):
@@ -159,6 +161,21 @@ def summary(records: list[dict], events: list[dict] = ()) -> str:
                      f"({last.get('mem_source', '')}, max over ranks)")
     lines += autopilot_lines(list(events))
     return "\n".join(lines)
+
+
+def data_bound_lines(records: list[dict]) -> list[str]:
+    """One line when the steps waited for data for at least DATA_BOUND_SHARE of their time
+    (the ranks' mean ``data_wait_s`` summed over the steps, over their summed step time)."""
+    if not records or "data_wait_s" not in records[-1]:
+        return []
+    wait = sum(r.get("data_wait_s", 0.0) for r in records)
+    total = sum(r["step_time_s"] for r in records)
+    if total <= 0 or wait / total < DATA_BOUND_SHARE:
+        return []
+    n = len(records)
+    return [f"data-bound: {wait / total:.0%} of the step time waited for data ({wait / n * 1e3:.0f} ms of "
+            f"{total / n * 1e3:.0f} ms a step, mean over {n} steps): raise data.prefetch, or make the reads "
+            "faster (the console's data-bound line says which)"]
 
 
 def load_rank_tables(run_dir: Path) -> list[dict]:

@@ -331,7 +331,8 @@ def build_blend_data(cfg: JobConfig, topo: Topology, device: torch.device, model
             v.poll()
 
     loader = PrefetchLoader(windows, sampler, device, depth=cfg.data.prefetch,
-                            check=IdRangeCheck(blend.train, sampler, model_vocab), before_step=poll)
+                            check=IdRangeCheck(blend.train, sampler, model_vocab), before_step=poll,
+                            log=_print_rank0(topo))
     val_windows = val_sampler = val_check = val_sources = None
     if blend.val is not None:
         mixed = BlendedWindows(blend.names, blend.val)
@@ -363,7 +364,7 @@ def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
     verifier = start_verifier(dataset, topo, device)
     loader = PrefetchLoader(windows, sampler, device, depth=cfg.data.prefetch,
                             check=IdRangeCheck(windows, sampler, model_vocab),
-                            before_step=verifier.poll)
+                            before_step=verifier.poll, log=_print_rank0(topo))
     val_windows = val_sampler = None
     if val is not None:
         val_windows = _for_rank(val, topo)
