@@ -47,7 +47,10 @@ def grouped_swiglu(x: torch.Tensor, counts: list[int], gate: list[torch.Tensor],
 
 class Experts(nn.ModuleDict):
     """The routed experts this module holds, keyed by global expert id (all of them on one
-    device; a subset under expert parallelism)."""
+    device; a subset under expert parallelism). ``swiglu`` computes them (the loop above;
+    ``parallelize`` may set a grouped-GEMM one of the same signature on an instance)."""
+
+    swiglu = staticmethod(grouped_swiglu)
 
     def __init__(self, dim: int, ffn_dim: int, expert_ids):
         super().__init__({str(e): SwiGLU(dim, ffn_dim) for e in expert_ids})
@@ -55,7 +58,7 @@ class Experts(nn.ModuleDict):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (N, dim) sorted by expert, ``counts`` per held expert in id order -> (N, dim)."""
         experts = list(self.values())
-        return grouped_swiglu(x, counts, [e.gate_proj.weight for e in experts],
+        return self.swiglu(x, counts, [e.gate_proj.weight for e in experts],
                               [e.up_proj.weight for e in experts], [e.down_proj.weight for e in experts])
 
 

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from parallel3d.distributed import all_reduce
 from parallel3d.expert_parallel import dispatch_experts_combine
+from parallel3d.kernels.grouped_linear import grouped_linear
 
 from .block import MoEBlock
 from .experts import Experts
@@ -70,6 +72,34 @@ def apply_expert_parallel(model: nn.Module, ep_group, ep: int | None = None,
         for p in block.experts.parameters():
             p.p3d_expert = True
     return model
+
+
+# parallel.linear_backend -> the experts' grouped GEMM backend (kernels/grouped_linear.py)
+EXPERT_BACKENDS = {"auto": "auto", "triton": "triton", "torch": "loop"}
+
+
+def grouped_gemm_swiglu(backend: str):
+    """``grouped_swiglu``'s computation with each of its three GEMMs a grouped GEMM of
+    ``backend`` (on CPU under "auto", the same per-expert F.linear calls, bit for bit)."""
+    def swiglu(x, counts, gate, up, down):
+        if not gate:
+            return x[:0]
+        h = F.silu(grouped_linear(x, counts, gate, backend)) * grouped_linear(x, counts, up, backend)
+        return grouped_linear(h, counts, down, backend)
+    return swiglu
+
+
+def use_grouped_gemm(model: nn.Module, linear_backend: str) -> list[tuple[int, int, int]]:
+    """Run every :class:`Experts` of ``model`` through the grouped GEMMs of
+    ``parallel.linear_backend`` (in place); returns each one's (held experts, dim, ffn)."""
+    backend = EXPERT_BACKENDS[linear_backend]
+    shapes = []
+    for module in model.modules():
+        if isinstance(module, Experts) and len(module):
+            module.swiglu = grouped_gemm_swiglu(backend)
+            first = next(iter(module.values()))
+            shapes.append((len(module), first.up_proj.in_features, first.up_proj.out_features))
+    return shapes
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, MoEBlock]]:

@@ -15,8 +15,12 @@ over the global batch; 1 is balanced) and ``dropped_tokens`` (assignments over c
 
 from __future__ import annotations
 
+import torch
+
 from parallel3d.expert_parallel.dispatch import CATEGORY
-from parallel3d.models.moe.parallelize import ExpertParallelExperts, finish_moe_step, prepare_moe_training
+from parallel3d.expert_parallel.grouped_backends import agree_on_grouped_backends
+from parallel3d.models.moe.parallelize import (ExpertParallelExperts, finish_moe_step, prepare_moe_training,
+                                               use_grouped_gemm)
 
 
 class MoESteps:
@@ -29,14 +33,27 @@ class MoESteps:
                 module.timeline = timeline
 
     @classmethod
-    def of(cls, model, model_cfg, topo, sequence_parallel: bool, timeline=None) -> "MoESteps | None":
+    def of(cls, model, model_cfg, topo, parallel, timeline=None, train=None, device=None) -> "MoESteps | None":
         """None for a model without sparse layers anywhere (a stage without any of a MoE
-        model's sparse layers still takes part in the figures' reduction)."""
+        model's sparse layers still takes part in the figures' reduction). The experts run
+        through the grouped GEMMs of ``parallel.linear_backend``; under "auto" on CUDA
+        rank 0 measures Triton against ``torch._grouped_mm`` on this run's expert stacks
+        and every rank adopts its table (collective; nothing on CPU)."""
         moe = getattr(model_cfg, "moe", None)
         if moe is None:
             return None
         n_sparse = sum(moe.is_sparse(i) for i in range(model_cfg.n_layers))
-        return cls(model, n_sparse, topo, sequence_parallel, timeline) if n_sparse else None
+        if not n_sparse:
+            return None
+        stacks = use_grouped_gemm(model, parallel.linear_backend)
+        if device is not None and device.type == "cuda" and parallel.linear_backend == "auto" and train is not None:
+            tokens = train.micro_batch * train.seq_len // topo.cp
+            if parallel.sequence_parallel:
+                tokens //= topo.tp
+            rows = tokens * moe.top_k // topo.ep  # the rows one rank's stack gets on average
+            shapes = sorted({s for g, dim, ffn in stacks for s in ((g, rows, ffn, dim), (g, rows, dim, ffn))})
+            agree_on_grouped_backends(shapes, torch.bfloat16, device, topo.world_group)
+        return cls(model, n_sparse, topo, parallel.sequence_parallel, timeline)
 
     def begin_step(self, n_micro: int) -> None:
         prepare_moe_training(self.model, self.topo, self.sp, n_micro, self.n_sparse)

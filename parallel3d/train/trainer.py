@@ -90,7 +90,7 @@ class Trainer:
         self.model, self.loss_fn = build_meta_llama(self.model_cfg, topo, cfg.parallel)
         apply_recompute(self.model, cfg.train.recompute)
         self.timeline = Timeline(self.device, cfg.run.trace_steps)
-        self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel.sequence_parallel, self.timeline)
+        self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel, self.timeline, cfg.train, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
