@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_acceptance.py"
-SECTIONS = ("kernels", "linear", "train", "layout3d", "cp")
+SECTIONS = ("kernels", "linear", "train", "layout3d", "cp", "moe")
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -37,7 +37,7 @@ def test_smoke_mode_runs_every_section(tmp_path, corpus_dir):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     text = out.read_text()
     assert _status(text) == {name: "ok" for name in SECTIONS}, text
-    for heading in ("## kernels", "## linear", "## train", "## layout3d", "## cp"):
+    for heading in ("## kernels", "## linear", "## train", "## layout3d", "## cp", "## moe"):
         assert heading in text
     layout = text.split("## layout3d", 1)[1]
     for schedule in ("1f1b", "zb-v"):  # the zero-bubble path too: B and W split, two chunks a rank
