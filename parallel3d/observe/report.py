@@ -142,6 +142,11 @@ def summary(records: list[dict], events: list[dict] = ()) -> str:
         lines.append("breakdown (median, share): " + ", ".join(
             f"{_LABELS[k]} {med(k) / total * 100:.0f}%" for k in BREAKDOWN))
     lines += data_bound_lines(steady)
+    for name in source_names(records):
+        parts = [f"{key.split('/')[0].replace('_', '-')} {r[key]:.4f} at step {r['step']}"
+                 for key in (f"loss/{name}", f"val_loss/{name}")
+                 for r in [next((r for r in reversed(records) if key in r), None)] if r is not None]
+        lines.append(f"source {name}: " + ", ".join(parts))
     if "max_busy_s" in last:
         most, least = med("max_busy_s"), med("min_busy_s")
         if most > least * (1 + SLOWEST_GAP):
@@ -269,8 +274,36 @@ def _loss_panel(ax, records: list[dict], window: int) -> None:
     if evals:
         ax.plot([s for s, _ in evals], [v for _, v in evals], "o-", color="tab:red", markersize=4,
                 label="held-out loss")
+    _source_losses(ax, records, window)
     ax.set(title="loss", xlabel="step", ylabel="cross-entropy (nats)")
     _legend_beside(ax)
+
+
+def source_names(records: list[dict]) -> list[str]:
+    """The data.blend sources with per-source figures (``loss/<name>``, ``val_loss/<name>``)."""
+    names: dict[str, None] = {}
+    for r in records:
+        for key in r:
+            if key.startswith(("loss/", "val_loss/")):
+                names.setdefault(key.split("/", 1)[1], None)
+    return list(names)
+
+
+_SOURCE_COLORS = ("tab:green", "tab:orange", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
+
+
+def _source_losses(ax, records: list[dict], window: int) -> None:
+    """Each blend source's training loss (smoothed; its steps only) and held-out loss."""
+    for i, name in enumerate(source_names(records)):
+        color = _SOURCE_COLORS[i % len(_SOURCE_COLORS)]
+        own = [(r["step"], r[f"loss/{name}"]) for r in records if f"loss/{name}" in r]
+        if own:
+            values = smooth([v for _, v in own], window) if window > 1 else [v for _, v in own]
+            ax.plot([s for s, _ in own], values, color=color, linewidth=1.2, label=f"{name} (training)")
+        evals = [(r["step"], r[f"val_loss/{name}"]) for r in records if f"val_loss/{name}" in r]
+        if evals:
+            ax.plot([s for s, _ in evals], [v for _, v in evals], "s--", color=color, markersize=3,
+                    label=f"{name} (held out)")
 
 
 def _throughput_panel(ax, records: list[dict], window: int) -> None:
