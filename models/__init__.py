@@ -4,3 +4,18 @@ if __name__ != "parallel3d.models":  # the checkout's root on sys.path: not our 
     from parallel3d.kernels._import_name import yield_name
 
     yield_name(__name__, __path__[0])
+
+
+# A model family is a folder here with a ``family.py`` (build_meta, initialize_,
+# apply_recompute, activation_shape, tensor_parallel_problems, CONFIG), chosen by the
+# config's ``model.family``: the trainer names no family.
+FAMILIES = ("llama",)
+
+
+def model_family(name: str):
+    """The ``family`` module of the model family ``name``."""
+    import importlib
+
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model.family '{name}': choose one of {list(FAMILIES)}")
+    return importlib.import_module(f"{__name__}.{name}.family")

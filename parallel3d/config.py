@@ -41,6 +41,9 @@ class ModelConfig:
     Fields left as None take the preset's value (see ``parallel3d.models.llama.PRESETS``).
     """
 
+    # The model family (a folder under models/ with its model and its parallelize): "llama"
+    # (Llama, Mistral, Qwen2/3, and the MoE families Qwen2/3-MoE, Mixtral, OLMoE).
+    family: str = "llama"
     preset: str = "debug"  # or "hf": the model is model.hf_checkpoint (required then)
     vocab_size: int | None = None
     dim: int | None = None

@@ -15,10 +15,13 @@ from parallel3d.config import ModelConfig
 from parallel3d.errors import UserError
 
 from parallel3d.models.llama import PRESETS, LlamaConfig, config_from_preset
+from parallel3d.models import FAMILIES
 from parallel3d.models.moe import MoEConfig
 
 
 def resolve_model_config(cfg: ModelConfig) -> LlamaConfig:
+    if cfg.family not in FAMILIES:
+        raise UserError(f"unknown model.family '{cfg.family}': choose one of {list(FAMILIES)}")
     if cfg.hf_checkpoint:
         return _model_config_from_hf(cfg)
     if cfg.preset == "hf":
@@ -67,7 +70,7 @@ def _model_config_from_hf(cfg: ModelConfig) -> LlamaConfig:
                         "model folder (config.json + safetensors)")
     model_cfg = model_config_from_folder(folder)
     for key, value in asdict(cfg).items():
-        if key in ("preset", "hf_checkpoint", "init_std") or value is None or (key == "moe" and not value):
+        if key in ("family", "preset", "hf_checkpoint", "init_std") or value is None or (key == "moe" and not value):
             continue
         if key == "moe":
             value = moe_section(value)

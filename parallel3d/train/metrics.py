@@ -7,7 +7,7 @@ import copy
 import json
 import sys
 import time
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
@@ -15,7 +15,7 @@ import torch
 from parallel3d.config import JobConfig, ModelConfig, config_from_dict
 from parallel3d.train.setup import resolve_model_config
 
-_KEEP = ("preset", "hf_checkpoint")  # what names the model; every other field is its shape
+_KEEP = ("family", "preset", "hf_checkpoint")  # what names the model; every other field is its shape
 
 
 def resolved_config(cfg: JobConfig) -> JobConfig:
@@ -26,7 +26,9 @@ def resolved_config(cfg: JobConfig) -> JobConfig:
     model = resolve_model_config(cfg.model)
     out = copy.deepcopy(cfg)
     for f in fields(ModelConfig):
-        if f.name not in _KEEP:
+        if f.name == "moe":  # the [model.moe] table (empty: no experts)
+            out.model.moe = asdict(model.moe) if model.moe is not None else {}
+        elif f.name not in _KEEP:
             setattr(out.model, f.name, getattr(model, f.name))
     if out.launch.backend == "auto":
         out.launch.backend = "nccl" if torch.cuda.is_available() else "gloo"

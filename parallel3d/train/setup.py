@@ -12,9 +12,8 @@ from pathlib import Path
 
 from parallel3d.config import DataConfig, JobConfig, ModelConfig
 from parallel3d.errors import UserError
-from parallel3d.models.llama import LlamaConfig
 from parallel3d.model_config import resolve_model_config  # noqa: F401 - re-exported
-from parallel3d.models.llama.parallelize import tensor_parallel_problems
+from parallel3d.models import model_family
 from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
 from parallel3d.topology import layout_problems
@@ -25,7 +24,7 @@ def _positive(name: str, value) -> None:
         raise UserError(f"{name} must be positive, got {value}")
 
 
-def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
+def check_job(cfg: JobConfig, model, world_size: int) -> None:
     """Raise :class:`UserError` naming the numbers for anything that cannot run."""
     check_data_source(cfg)  # first: a missing input matters more than any size
     par, train = cfg.parallel, cfg.train
@@ -36,7 +35,7 @@ def check_job(cfg: JobConfig, model: LlamaConfig, world_size: int) -> None:
     # the layout's problems and the model's split over tp, all named in one message
     problems = layout_problems(par.tp, par.pp, par.dp, world_size, par.cp, par.ep)
     if isinstance(par.tp, int) and par.tp >= 1:
-        problems += tensor_parallel_problems(model, par.tp)  # heads, kv-heads, MLP width vs tp
+        problems += model_family(cfg.model.family).tensor_parallel_problems(model, par.tp)  # heads, kv-heads, MLP width vs tp
     if problems:
         raise UserError("; ".join(problems))
     check_new_axes(par, model)

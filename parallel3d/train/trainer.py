@@ -43,8 +43,7 @@ import torch.distributed as dist
 from parallel3d.checkpoint import Checkpointer
 from parallel3d.config import JobConfig
 from parallel3d.distributed import all_reduce, all_reduce_sum_max
-from parallel3d.models.llama.parallelize import activation_shape, apply_recompute
-from parallel3d.models.llama.sharded_init import build_meta_llama, init_llama_
+from parallel3d.models import model_family
 from parallel3d.observe.progress import ProgressBar, wants_bar
 from parallel3d.observe.sinks import Sinks
 from parallel3d.observe.stats import StepObserver, straggler_warning
@@ -87,8 +86,9 @@ class Trainer:
         # then filled by the seeded (layout-independent) init or, when a checkpoint or HF
         # folder provides the weights, read slice by slice; the fp32 masters come last.
         self.dtype = storage_dtype(cfg.train, self.device)
-        self.model, self.loss_fn = build_meta_llama(self.model_cfg, topo, cfg.parallel)
-        apply_recompute(self.model, cfg.train.recompute)
+        family = model_family(cfg.model.family)  # models/<family>/: its model and its parallelize
+        self.model, self.loss_fn = family.build_meta(self.model_cfg, topo, cfg.parallel)
+        family.apply_recompute(self.model, cfg.train.recompute)
         self.timeline = Timeline(self.device, cfg.run.trace_steps)
         self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel, self.timeline, cfg.train, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
@@ -99,12 +99,12 @@ class Trainer:
         # and every rank adopts its table (collective; nothing to do on CPU or at tp 1).
         prepare_linear_backends(self.model, cfg.parallel, cfg.train, topo.tp, self.device)
         if not self.checkpointer.has_weights_to_load():
-            init_llama_(self.model, cfg.train.seed)
+            family.initialize_(self.model, cfg.train.seed)
         self.checkpointer.load_weights(self.model)
         self.optimizer.take_masters()
         self.schedule = build_schedule(
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
-            activation_shape=activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
+            activation_shape=family.activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
                                               topo.tp, cfg.parallel.sequence_parallel, topo.cp),
             autocast=autocast_for(cfg.train, self.device), timeline=self.timeline, watch=self.watch)
         self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
