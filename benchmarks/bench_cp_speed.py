@@ -2,13 +2,18 @@
 attention (forward + backward) and the whole training step at cp 2 / sp 2, and cp 2's
 step against cp 1's (issue 32, acceptance 5).
 
-    python benchmarks/bench_cp_speed.py [--seq-len 4096] [--rounds 5]
+    python benchmarks/bench_cp_speed.py [--seq-len 4096] [--rounds 10] [--json FILE]
     python benchmarks/bench_cp_speed.py --smoke          # tiny, seconds: the code path
 
 Two gloo ranks (one thread each) of one pool; every round runs each side once, the
 order rotating from round to round (the machine is shared: a side never always follows
-the same one); a side's time is the slower rank's (the job waits for it), its figure the
-median over rounds. What each side runs:
+the same one; 10 rounds put each of the 5 sides in each place twice); a side's wall
+time is the slower rank's (the job waits for it), its CPU time both ranks' process time
+together (the work, which other jobs preempting it do not add to); its figures the
+medians over rounds, its ratios the medians of the per-round ratios. Before the rounds
+every side's attention output and q, k, v gradients are checked against causal SDPA on
+the whole sequence (S 256, fp32, 1e-5): every side computes the same thing on the same
+shapes. What each side runs:
 
 - attention: q (1, H, S/2, D) and k, v (1, Hkv, S/2, D) per rank, fp32, forward and
   backward of the whole sequence's causal attention from the local queries.
@@ -347,7 +352,7 @@ def table(res: dict, seq: int, rounds: int, model_kw: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--json", help="also write every round's times here")
     parser.add_argument("--smoke", action="store_true", help="tiny model and sequence, 1 round: the code path")
     args = parser.parse_args()
@@ -356,8 +361,9 @@ def main() -> int:
         args.seq_len, args.rounds = 64, 1
         model_kw.update(dim=32, ffn_dim=64)
     res = run(args.seq_len, args.rounds, model_kw)
-    print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"\n{now:%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+          f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(table(res, args.seq_len, args.rounds, model_kw))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1))

@@ -7,10 +7,10 @@ the same keys and adjacent queries) make one FULL span: one kernel call instead 
 and one log-sum-exp merge instead of two (the same score elements: within a span no
 key is masked but by the documents). CAUSAL blocks (a chunk against itself) stay single.
 
-At cp 2 this takes the all-gather mode from 5 calls a rank to 3 or 4 (a query chunk's
-earlier key chunks are one span of the gathered K/V, in global order), and the ring's
-later steps from 2 calls to 1 (both local query chunks against the head chunk held, or
-the tail query chunk against both held chunks).
+At cp 2 this takes the all-gather mode from 5 blocks a rank to 3 or 4 spans (a query
+chunk's earlier key chunks are one span of the gathered K/V, in global order), and the
+ring's later steps from 2 blocks to 1 span (both local query chunks against the head
+chunk held, or the tail query chunk against both held chunks).
 
 Running a span: its rows of the local queries and columns of the K/V at hand are views;
 :func:`blocks.block_forward` / :func:`blocks.block_backward` compute it, with the
@@ -48,7 +48,8 @@ def _joined(a: Span, b: Span) -> Span | None:
 
 
 def merge_spans(blocks: list[tuple[int, int, str]]) -> list[Span]:
-    """Blocks ``(q_chunk, k_chunk, kind)`` as the fewest spans the pairwise joins give."""
+    """Blocks ``(q_chunk, k_chunk, kind)`` as spans, joined pairwise until no two join
+    (greedy; for the plans here, 2 to 4 FULL blocks a rank, that is the fewest)."""
     spans: list[Span] = [((qi, qi + 1), (ki, ki + 1), kind) for qi, ki, kind in blocks]
     joined = True
     while joined:
