@@ -18,6 +18,15 @@ Per token, with ``d = dim``, ``h * hd = d`` (query width), ``kv = n_kv_heads * h
 The embedding lookup is a gather, not a product: it is not counted, whether or not the
 embedding is tied to the output head (the head's product always is).
 
+Mixture-of-Experts (``cfg.moe``): a sparse layer's MLP term counts the *active* weights, the
+ones a token passes through (Megatron-Core's and DeepSeek's MFU convention), with ``E``
+experts, ``k`` chosen per token, ``f_e`` an expert's width and ``f_s`` the shared experts'::
+
+    sparse MLP weights  E d (router) + k 3 d f_e (routed) + 3 d f_s (+ d, the shared gate)
+
+so ``6 x active parameters per token + attention``; the dense layers of the model
+(``moe.dense_layers``) keep ``3 d f``.
+
 Hardware FLOPs add what recomputation re-runs: with ``full`` recomputation every layer's
 forward runs twice (the head does not: it is outside the recomputed layers); with
 ``selective`` the attention products are re-run (the matmul outputs are kept, see
@@ -29,11 +38,29 @@ from __future__ import annotations
 from parallel3d.config import Recompute
 
 
-def layer_matmul_params(cfg) -> int:
-    """Weights of one decoder layer that take part in a matrix product."""
+def attention_matmul_params(cfg) -> int:
+    """Weights of one decoder layer's attention projections (q, k, v, o)."""
     kv = cfg.n_kv_heads * cfg.head_dim
     q = cfg.n_heads * cfg.head_dim
-    return 2 * cfg.dim * q + 2 * cfg.dim * kv + 3 * cfg.dim * cfg.ffn_dim
+    return 2 * cfg.dim * q + 2 * cfg.dim * kv
+
+
+def mlp_matmul_params(cfg, sparse: bool = False) -> int:
+    """Weights one token's MLP multiplies by: the dense SwiGLU, or in a sparse layer the
+    active ones (router, ``top_k`` routed experts, shared experts and their gate)."""
+    if not sparse:
+        return 3 * cfg.dim * cfg.ffn_dim
+    return cfg.moe.active_params(cfg.dim)
+
+
+def layer_matmul_params(cfg, sparse: bool = False) -> int:
+    """Weights of one decoder layer that take part in a token's matrix products."""
+    return attention_matmul_params(cfg) + mlp_matmul_params(cfg, sparse)
+
+
+def sparse_layers(cfg) -> int:
+    """Decoder layers whose MLP is a Mixture-of-Experts block (0 for a dense model)."""
+    return sum(cfg.is_sparse(i) for i in range(cfg.n_layers)) if getattr(cfg, "moe", None) else 0
 
 
 def attention_flops_per_token(cfg, seq_len: int) -> int:
@@ -41,9 +68,10 @@ def attention_flops_per_token(cfg, seq_len: int) -> int:
     return 4 * seq_len * cfg.n_heads * cfg.head_dim
 
 
-def layer_forward_flops_per_token(cfg, seq_len: int) -> int:
-    """Forward FLOPs of one decoder layer per token: projections plus full attention."""
-    return 2 * layer_matmul_params(cfg) + attention_flops_per_token(cfg, seq_len)
+def layer_forward_flops_per_token(cfg, seq_len: int, sparse: bool = False) -> int:
+    """Forward FLOPs of one decoder layer per token: projections plus full attention
+    (``sparse``: a Mixture-of-Experts layer, its active weights)."""
+    return 2 * layer_matmul_params(cfg, sparse) + attention_flops_per_token(cfg, seq_len)
 
 
 def head_forward_flops_per_token(cfg) -> int:
@@ -53,18 +81,24 @@ def head_forward_flops_per_token(cfg) -> int:
 
 def model_flops_per_token(cfg, seq_len: int) -> int:
     """Training FLOPs (forward + backward) per token, without recomputation."""
-    forward = cfg.n_layers * layer_forward_flops_per_token(cfg, seq_len) + head_forward_flops_per_token(cfg)
+    n_sparse = sparse_layers(cfg)
+    forward = ((cfg.n_layers - n_sparse) * layer_forward_flops_per_token(cfg, seq_len)
+               + n_sparse * (layer_forward_flops_per_token(cfg, seq_len, sparse=True) if n_sparse else 0)
+               + head_forward_flops_per_token(cfg))
     return 3 * forward
 
 
 # What each ``train.recompute`` mode re-runs of a layer in the backward pass, per token.
-RECOMPUTE_FLOPS = {"none": lambda cfg, seq_len: 0, "full": layer_forward_flops_per_token,
-                   "selective": attention_flops_per_token}
+RECOMPUTE_FLOPS = {"none": lambda cfg, seq_len, sparse=False: 0, "full": layer_forward_flops_per_token,
+                   "selective": lambda cfg, seq_len, sparse=False: attention_flops_per_token(cfg, seq_len)}
 
 
 def recompute_flops_per_token(cfg, seq_len: int, recompute: Recompute) -> int:
     """FLOPs re-run in the backward pass per token by ``recompute``."""
-    return cfg.n_layers * RECOMPUTE_FLOPS[recompute](cfg, seq_len)
+    redo = RECOMPUTE_FLOPS[recompute]
+    n_sparse = sparse_layers(cfg)
+    return ((cfg.n_layers - n_sparse) * redo(cfg, seq_len)
+            + (n_sparse * redo(cfg, seq_len, sparse=True) if n_sparse else 0))
 
 
 def hardware_flops_per_token(cfg, seq_len: int, recompute: Recompute = "none") -> int:

@@ -48,9 +48,9 @@ def test_recipe_dry_runs_at_its_world_size(recipe, tmp_path):
     par = cfg.parallel
     assert found["world_size"] == world == par.tp * par.cp * par.pp * par.dp
     assert f"{world} ranks" in lines[0]
-    params = list(found["model"].parameters())
+    params = [p for r in found["reports"] for p in r.module.parameters()]
     assert params and all(p.is_meta for p in params), "a weight was allocated"
-    assert sum(found["split"]) == found["model"].cfg.n_layers
+    assert sum(found["split"]) == found["model_cfg"].n_layers
     if cfg.launch.backend == "nccl":
         # recipes for GPUs name H100 80GB: the fullest stage must fit one, margin included
         worst = max(s.peak for s in found["stages"])
@@ -167,21 +167,25 @@ def test_dry_run_bytes_follow_the_storage_table_and_the_gpu_fit_is_per_stage():
     cfg = load_config(recipe)
     lines = []
     found = dry_run(cfg, job_world_size(cfg), out=lines.append, gpu=gpu_named("h100-80g"))
-    reports = found["reports"]
-    assert [r.stage for r in reports] == [0, 1]  # pp 2: first and last
+    from parallel3d.train.dryrun import built_stages
+
+    reports, par = found["reports"], cfg.parallel
+    # first, middle, last and the planner's fullest stage
+    assert [r.stage for r in reports] == built_stages(par.pp, found["stages"]) and len(reports) >= 3
     for r in reports:
-        assert r.states == state_bytes(r.params.held, "bf16", 1, 32)
+        assert r.states == state_bytes(r.params.held, "bf16", par.zero, par.dp * par.cp)
         row = next(line for line in lines if line.strip().startswith(f"{r.stage} ("))
         assert f"{r.params.held:,d}" in row and "fits, " in row
         acts, buffers = r.transient
         assert r.peak == r.states.total + acts + buffers
     # the modules' counts against the formula the planner uses: the same parameters
-    for r, planned in zip(reports, found["stages"]):
+    for r in reports:
+        planned = found["stages"][r.stage]
         assert r.params.held == planned.params, (r.params, planned.params)
     small = gpu_named("a100-40g")
     lines = []
     dry_run(cfg, job_world_size(cfg), out=lines.append, gpu=small)
-    assert sum("DOES NOT FIT" in line for line in lines) == 2
+    assert sum("DOES NOT FIT" in line for line in lines) == len(reports)
 
 
 def test_the_default_recipe_says_the_split_it_runs():
@@ -215,3 +219,29 @@ def test_the_128k_recipe_dry_runs_with_context_parallelism_and_fits_an_h100():
                            "--gpu", "h100-80g", "--parallel.cp=1", f"--parallel.dp={replicas}"],
                           capture_output=True, text=True, timeout=300)
     assert over.returncode == 0 and "DOES NOT FIT" in over.stdout, over.stdout + over.stderr
+
+
+def test_the_moe_recipe_prints_each_ranks_expert_and_dense_parameters_as_the_formula_says():
+    """recipes/qwen3_moe_30b_a3b.toml (Qwen3-30B-A3B, ep 8 on 64 ranks): the CLI's dry run
+    reads, from the rank's meta modules, 16 of each layer's 128 experts and the dense
+    parameters, and they equal the model's shape worked out by hand; it fits an H100."""
+    recipe = RECIPES[[p.stem for p in RECIPES].index("qwen3_moe_30b_a3b")]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe), "--dry-run",
+                           "--gpu", "h100-80g"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "model 30.532B parameters, 3.353B active per token" in out
+    assert "tp 1 x pp 1 x dp 64 (ep 8 x edp 8)" in out and "DOES NOT FIT" not in out
+    # Qwen3-30B-A3B by hand: 48 sparse layers of 128 experts (3 x 2048 x 768 each), 8 per
+    # rank at ep 8 -> 16 experts a layer; attention q (2048 x 32 x 128), o, k and v (4 kv
+    # heads of 128), two norms, q/k norms of 128, the router (128 x 2048); untied embedding
+    # and head of 151936 x 2048, the final norm
+    d, layers = 2048, 48
+    experts = layers * (128 // 8) * 3 * d * 768
+    attention = 2 * d * 32 * 128 + 2 * d * 4 * 128
+    dense = layers * (attention + 2 * d + 2 * 128 + 128 * d) + 2 * 151936 * d + d
+    line = next(line for line in out.splitlines() if line.strip().startswith("stage 0:"))
+    assert line.strip() == f"stage 0: {experts:,d} expert + {dense:,d} dense = {experts + dense:,d}", line
+    # the rank holds 1/8 of the experts: the whole model's experts are 8 times the rank's
+    assert experts * 8 + dense == 30_532_122_624

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 from parallel3d.errors import UserError
@@ -69,7 +69,7 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--write-recipe", metavar="FILE", help="write the recommended layout as a TOML recipe")
     p.add_argument("--calibrate", metavar="RUN", help="refresh the compute efficiency from a run's "
                    "metrics.jsonl (a run directory, or the file; config.json must sit beside it)")
-    for key in ("tp", "cp", "pp", "dp"):
+    for key in ("tp", "cp", "pp", "dp", "ep"):
         p.add_argument(f"--{key}", type=int, default=None, help=f"consider only this {key}")
 
 
@@ -107,8 +107,8 @@ def resolve_model(spec: str):
         cfg = config_from_hf(json.loads(path.read_text()))
     except (ValueError, KeyError) as e:
         raise UserError(f"--model {spec}: {e}") from None
-    keys = {k: v for k, v in asdict(cfg).items() if k != "init_std"}
-    return cfg, {"preset": "debug", **keys}
+    # a written recipe takes the shape (and, to train, the weights) from the folder
+    return cfg, {"preset": "hf", "hf_checkpoint": str(path.resolve().parent)}
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -151,7 +151,13 @@ def run_plan(args: argparse.Namespace) -> int:
         eff, how = calibrate_from_run(args.calibrate, gpu, args.gpus_per_node)
         print(f"calibrated: {how}")
     work = Workload(model, args.seq_len, args.global_batch, args.dtype)
-    fixed = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp") if getattr(args, k) is not None}
+    fixed = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "ep") if getattr(args, k) is not None}
+    if fixed.get("ep", 1) > 1 and model.moe is None:
+        raise UserError(f"--ep {args.ep}: expert parallelism needs a Mixture-of-Experts model "
+                        "(a Hugging Face config.json of Qwen3-MoE, Mixtral, OLMoE or Qwen2-MoE): drop --ep")
+    if fixed.get("ep", 1) > 1 and model.moe.n_experts % args.ep:
+        raise UserError(f"--ep {args.ep} does not divide the model's {model.moe.n_experts} experts: "
+                        f"choose a divisor of {model.moe.n_experts}")
     candidates = search(work, args.gpus, args.gpus_per_node, gpu, eff, fixed)
     if not candidates:
         raise UserError(f"no valid layout: {args.gpus} GPUs cannot split {model.n_layers} layers, "

@@ -75,13 +75,23 @@ keeps only the shard, and packs each bucket of a backward pass into a transient 
 buffer, at most two in flight. The step itself (clipping, the fused AdamW over flat
 shards, the all-gathers into the parameter buffer) allocates nothing. The start-up peak
 is the model states plus the initialisation's host chunk or one loaded slice.
+
+Mixture-of-Experts models (:mod:`parallel3d.planner.experts`): a sparse layer holds its
+attention as above, its router and shared experts whole on every tp rank, and ``E / ep``
+routed experts, whose masters, moments (and gradients at ZeRO 2) shard over edp x cp
+instead of dp x cp (a second flat-buffer optimizer); its MoE block saves per routed token
+what :func:`~parallel3d.planner.experts.moe_token_bytes` says in place of the dense MLP's
+``a * 3f / tp``, and at ep > 1 its all-to-all buffers live while it runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
 
+from parallel3d.planner.experts import (a2a_transient_bytes, expert_params, moe_replicated_params,
+                                       moe_selective_bytes, moe_token_bytes, sparse_layers_of)
+from parallel3d.planner.moments import (backward_moments, head_stash_bytes, in_flight,  # noqa: F401 - this module's API
+                                       layer_stash_bytes)
 from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, layer_split, rank_chunks
 
 BUCKET_BYTES = 25 * 2**20  # gradient buckets (parallel.bucket_mb)
@@ -97,6 +107,7 @@ class StageMemory:
     stage: int
     layers: int
     params: int  # parameters held by this rank (elements)
+    expert_params: int = 0  # of those, routed experts' (sharded by ZeRO over edp x cp)
     weights: int = 0
     master: int = 0
     optimizer: int = 0
@@ -142,26 +153,38 @@ class StageMemory:
         return ("optimizer step", base + self.full_grads, 0, self.step_transient)
 
 
-def layer_params(model, tp: int) -> int:
-    """Parameters of one decoder layer on one tensor-parallel rank."""
+def layer_params(model, tp: int, sparse: bool = False) -> int:
+    """Parameters of one decoder layer on one tensor-parallel rank; ``sparse``: a
+    Mixture-of-Experts layer without its routed experts (:func:`~parallel3d.planner.experts.expert_params`)."""
     hd = model.head_dim
     q, kv = model.n_heads * hd, model.n_kv_heads * hd
-    matmul = 2 * model.dim * q + 2 * model.dim * kv + 3 * model.dim * model.ffn_dim
-    return matmul // tp + 2 * model.dim  # the two RMSNorm weights are replicated
+    matmul = 2 * model.dim * q + 2 * model.dim * kv + (0 if sparse else 3 * model.dim * model.ffn_dim)
+    qk_norms = ((model.n_heads + model.n_kv_heads) * hd if model.qk_norm_all_heads else 2 * hd) * model.qk_norm
+    # the two RMSNorm weights, the q/k norms and an MoE block's router and shared experts
+    # are replicated over tp
+    return matmul // tp + 2 * model.dim + qk_norms + (moe_replicated_params(model) if sparse else 0)
 
 
-def layer_activation_bytes(model, tokens: int, layout: Layout, act: int, recompute: str) -> int:
-    """Saved bytes of one decoder layer for ``tokens`` tokens of one micro-batch."""
+def layer_activation_bytes(model, tokens: int, layout: Layout, act: int, recompute: str,
+                           sparse: bool = False) -> int:
+    """Saved bytes of one decoder layer for ``tokens`` tokens of one micro-batch
+    (``sparse``: a Mixture-of-Experts layer, whose block saves per routed token
+    :func:`~parallel3d.planner.experts.moe_token_bytes`)."""
     d, f, tp = model.dim, model.ffn_dim, layout.tp
-    kv = model.n_kv_heads * model.head_dim
+    q, kv = model.n_heads * model.head_dim, model.n_kv_heads * model.head_dim
     seq_shard = tp if layout.sequence_parallel else 1
     layer_in = act * d // seq_shard
     small = 4 * (model.n_heads // tp + 2)  # log-sum-exp per head, one fp32 rstd per norm
     if recompute == "full":
         return tokens * layer_in
     if recompute == "selective":
-        return tokens * (layer_in + act * (2 * d + (d + 2 * kv + 2 * f) // tp))
-    full = 4 * layer_in + act * (2 * d + 2 * kv + 3 * f) // tp
+        if sparse:
+            return tokens * (layer_in + act * (d + (q + 2 * kv) // tp) + moe_selective_bytes(model, act) // seq_shard)
+        return tokens * (layer_in + act * (2 * d + (q + 2 * kv + 2 * f) // tp))
+    if sparse:
+        full = 4 * layer_in + act * (2 * q + 2 * kv) // tp + moe_token_bytes(model, act) // seq_shard
+    else:
+        full = 4 * layer_in + act * (2 * q + 2 * kv + 3 * f) // tp
     return tokens * (full + small + cp_attention_extra(model, layout, act))
 
 
@@ -218,92 +241,15 @@ def head_activation_bytes(model, tokens: int, layout: Layout, act: int, cpu: boo
     return tokens * (norm + act * v + 8 + 8), block
 
 
-def layer_stash_bytes(model, tokens: int, layout: Layout, act: int) -> int:
-    """What a decoder layer keeps from its B to its W (zero-bubble schedules) for
-    ``tokens`` tokens: each GEMM's input and the gradient of its output, each norm's
-    input and output gradient (and its fp32 rstd). Under sequence parallelism the column-
-    parallel inputs are kept as this rank's shard (the W gathers them again), while the
-    row-parallel GEMMs' output gradients are whole (B, S, d)."""
-    d, f, tp = model.dim, model.ffn_dim, layout.tp
-    kv = model.n_kv_heads * model.head_dim
-    sp = tp if layout.sequence_parallel else 1
-    inputs = 2 * d // sp + (d + f) // tp  # qkv and gate/up read the normed x; o, down
-    out_grads = (d + 2 * kv + 2 * f) // tp + 2 * d  # q, k, v, gate, up; o and down whole
-    norms = 4 * d // sp  # two norms: input and output gradient
-    return tokens * (act * (inputs + out_grads + norms) + 2 * 4)
-
-
-def head_stash_bytes(model, tokens: int, layout: Layout, act: int) -> int:
-    """What the last chunk keeps from B to W: the head's input and its logits' gradient
-    (``V/tp`` per token: the W's GEMM reads it), the final norm's input and gradient."""
-    v = -(-model.vocab_size // layout.tp)
-    sp = layout.tp if layout.sequence_parallel else 1
-    return tokens * (act * (model.dim + v + 2 * model.dim // sp) + 4)
-
-
-def backward_moments(layout: Layout, n_micro: int, pp_rank: int) -> list[tuple[int, int, int, int, int, bool]]:
-    """At the start of each backward (and each W) of ``pp_rank``'s plan (the one the
-    pipeline runtime runs, ``pipeline/schedules.py``), without repeats: (chunk-micro-
-    batches alive before their B, those of the model's last chunk, between their B and W
-    (zero-bubble), those of the last chunk, this rank's chunks that already ran a backward
-    this step, whether this backward is the last chunk's: True / False, None for a W)."""
-    schedule = layout.schedule if layout.pp > 1 else "1f1b"  # pp = 1: forward, backward per micro-batch
-    return _moments(schedule, layout.pp, layout.virtual_stages, n_micro, pp_rank)
-
-
-@lru_cache(maxsize=4096)  # the search evaluates many layouts with the same pipeline shape
-def _moments(schedule: str, pp: int, v: int, n_micro: int, pp_rank: int) -> list:
-    from parallel3d.pipeline.schedules import plan
-
-    last = pp * v - 1
-    alive: dict[int, int] = {}
-    stashed: dict[int, int] = {}
-    done: set[int] = set()
-    out = set()
-    for step in plan(schedule, pp, v, n_micro, pp_rank):
-        for a in step:
-            if a.op == "F":
-                alive[a.chunk] = alive.get(a.chunk, 0) + 1
-            elif a.op == "W":
-                # a W's moment: its gradients computed (up to FLUSH_BYTES) beside every stash
-                out.add((sum(alive.values()), alive.get(last, 0), sum(stashed.values()),
-                         stashed.get(last, 0), len(done), None))
-                stashed[a.chunk] -= 1
-            else:
-                out.add((sum(alive.values()), alive.get(last, 0), sum(stashed.values()),
-                         stashed.get(last, 0), len(done), a.chunk == last))
-                alive[a.chunk] -= 1
-                done.add(a.chunk)
-                if schedule in ("zb-h1", "zb-v"):
-                    stashed[a.chunk] = stashed.get(a.chunk, 0) + 1
-    return sorted(out)
-
-
-def in_flight(layout: Layout, n_micro: int, pp_rank: int) -> int:
-    """Micro-batches (chunk-micro-batches when interleaved or zb-v) alive on ``pp_rank``,
-    until their W with a zero-bubble schedule: the closed form of the largest count the
-    plan's walk gives (:func:`backward_moments`)."""
-    if layout.pp == 1:
-        return 1
-    if layout.schedule == "gpipe":
-        return n_micro
-    if layout.schedule == "interleaved":
-        v = layout.virtual_stages
-        if n_micro == layout.pp:  # no steady state: the plan runs every forward first
-            return n_micro * v
-        return min(n_micro * v, 2 * (layout.pp - pp_rank - 1) + (v - 1) * layout.pp + 1)
-    if layout.schedule == "zb-h1":
-        return min(layout.pp, n_micro)
-    if layout.schedule == "zb-v":
-        return min(2 * layout.pp, n_micro + pp_rank + 1)
-    return min(layout.pp - pp_rank, n_micro)
-
-
 def stage_params(model, layout: Layout, pp_rank: int, split: list[int]) -> tuple[int, int, int]:
-    """(parameters held, layers held, largest single parameter) on ``pp_rank``."""
+    """(parameters held, layers held, largest single parameter) on ``pp_rank``; the held
+    count includes the routed experts of its sparse layers (:func:`stage_expert_params`)."""
     chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
     layers = sum(split[c] for c in chunks)
-    n = layers * layer_params(model, layout.tp)
+    sparse = sparse_layers_of(model, split, chunks)
+    n = (layers - sparse) * layer_params(model, layout.tp) + stage_expert_params(model, layout, pp_rank, split)
+    if sparse:
+        n += sparse * layer_params(model, layout.tp, sparse=True)
     embed = model.vocab_size * model.dim // layout.tp
     largest = max(model.dim * model.ffn_dim // layout.tp, embed)
     first, last = 0 in chunks, (layout.chunks - 1) in chunks
@@ -316,6 +262,29 @@ def stage_params(model, layout: Layout, pp_rank: int, split: list[int]) -> tuple
     return n, layers, largest
 
 
+def stage_expert_params(model, layout: Layout, pp_rank: int, split: list[int]) -> int:
+    """Routed-expert parameters held on ``pp_rank`` (its sparse layers' ``E / ep`` experts)."""
+    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
+    sparse = sparse_layers_of(model, split, chunks)
+    return sparse * expert_params(model, layout.ep) if sparse else 0
+
+
+def stage_activation_bytes(model, tokens: int, layout: Layout, act: int, recompute: str,
+                           split: list[int], pp_rank: int) -> tuple[float, float, int]:
+    """(saved bytes of one chunk of ``pp_rank``, its B-to-W stash, one rebuilt layer's
+    saved bytes) for ``tokens`` tokens: the rank's dense and sparse layers, averaged over
+    its chunks; the rebuilt layer is the larger kind it holds."""
+    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
+    layers = sum(split[c] for c in chunks)
+    sparse = sparse_layers_of(model, split, chunks)
+    kinds = [(layers - sparse, False), (sparse, True)]
+    v = layout.virtual_stages
+    saved = sum(n * layer_activation_bytes(model, tokens, layout, act, recompute, s) for n, s in kinds if n) / v
+    stash = sum(n * layer_stash_bytes(model, tokens, layout, act, s) for n, s in kinds if n) / v
+    rebuilt = max((layer_activation_bytes(model, tokens, layout, act, "none", s) for n, s in kinds if n), default=0)
+    return saved, stash, rebuilt
+
+
 def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] | None = None,
                  bucket_bytes: int = BUCKET_BYTES, gloo: bool = False) -> StageMemory:
     """One pipeline rank's peak. ``gloo``: the CPU runtime, whose reduce-scatter receives
@@ -325,20 +294,24 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     n, layers, largest = stage_params(model, layout, pp_rank, split)
     m = layout.n_micro(work)
-    mem = StageMemory(stage=pp_rank, layers=layers, params=n)
-    # weights are replicated over dp x cp: ZeRO shards and gradients reduce over both
-    replicas = layout.replicas
-    shard = replicas if layout.zero >= 1 else 1
+    n_expert = stage_expert_params(model, layout, pp_rank, split)
+    mem = StageMemory(stage=pp_rank, layers=layers, params=n, expert_params=n_expert)
+    # weights are replicated over dp x cp: ZeRO shards and gradients reduce over both;
+    # routed experts over the ranks holding the same experts, edp x cp
+    replicas, expert_replicas = layout.replicas, layout.expert_replicas
+    zero = layout.zero >= 1
     # The flat-buffer optimizer (parallel3d/zero) allocates everything at construction:
     # the parameters (their dtype), fp32 masters when they are bf16, the moments, and the
-    # fp32 gradient buffers, resident from the first step to the last.
+    # fp32 gradient buffers, resident from the first step to the last; one such optimizer
+    # for the dense parameters, one for the experts.
+    parts = [(n - n_expert, replicas), (n_expert, expert_replicas)]
     mem.weights = n * b["weight"]
-    mem.master = n * b["master"] // shard
-    mem.optimizer = n * ADAM_BYTES // shard
+    mem.master = sum(k * b["master"] // (r if zero else 1) for k, r in parts)
+    mem.optimizer = sum(k * ADAM_BYTES // (r if zero else 1) for k, r in parts)
     if layout.zero == 2:  # gradients accumulate in the shard only
-        mem.full_grads = 4 * n // replicas
+        mem.full_grads = sum(4 * k // r for k, r in parts)
     else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
-        mem.full_grads = 4 * n + (4 * n // replicas if layout.zero == 1 else 0)
+        mem.full_grads = 4 * n + (sum(4 * k // r for k, r in parts) if layout.zero == 1 else 0)
     bucket = min(bucket_bytes, 4 * n)
     in_flight_buckets = MAX_INFLIGHT * bucket
     # Inside a backward: stage 2 packs each bucket into a fresh fp32 buffer, at most
@@ -354,18 +327,18 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         transient_grads += in_flight_buckets
 
     tokens = layout.micro_batch * work.seq_len // layout.cp  # a cp rank's head-tail chunks
-    per_chunk_layers = layers / layout.virtual_stages
-    chunk_act = per_chunk_layers * layer_activation_bytes(model, tokens, layout, b["act"], layout.recompute)
-    # One layer's context-parallel buffers exist while it runs, and while a rebuilt layer
-    # runs its backward.
-    rebuilt = cp_transient_bytes(model, tokens, layout, b["act"])
+    chunk_act, chunk_stash, one_layer = stage_activation_bytes(model, tokens, layout, b["act"], layout.recompute,
+                                                                split, pp_rank)
+    # One layer's context-parallel and all-to-all buffers exist while it runs, and while
+    # a rebuilt layer runs its backward.
+    rebuilt = cp_transient_bytes(model, tokens, layout, b["act"]) + a2a_transient_bytes(model, layout, tokens,
+                                                                                       b["act"])
     if layout.recompute != "none":  # one layer rebuilt at a time in the backward pass
-        rebuilt += layer_activation_bytes(model, tokens, layout, b["act"], "none")
+        rebuilt += one_layer
     # A chunk that is not the last keeps its output in the runtime's stash until its
     # backward (pipeline/runtime.py); autograd itself saves no layer's output.
     stashed = tokens * b["act"] * model.dim // (layout.tp if layout.sequence_parallel else 1)
     saved, extra = head_activation_bytes(model, tokens, layout, b["act"], cpu=gloo)
-    chunk_stash = per_chunk_layers * layer_stash_bytes(model, tokens, layout, b["act"])
     head_stash = head_stash_bytes(model, tokens, layout, b["act"])
     best = None
     # A W computes its chunk's weight gradients, handing them to autograd in groups of up

@@ -27,7 +27,8 @@ def table(candidates: list[Candidate], top: int) -> str:
 def _shares(c: Candidate) -> dict[str, float]:
     t = c.time
     return {"compute": t.compute_s, "pipeline bubble": t.bubble_s, "tensor-parallel comm": t.tp_comm_s,
-            "context-parallel comm": t.cp_comm_s, "pipeline p2p": t.pp_comm_s, "data-parallel comm": t.dp_comm_s, "optimizer step": t.optimizer_s}
+            "context-parallel comm": t.cp_comm_s, "expert all-to-all": t.ep_comm_s, "pipeline p2p": t.pp_comm_s,
+            "data-parallel comm": t.dp_comm_s, "optimizer step": t.optimizer_s}
 
 
 def why_slower(c: Candidate, best: Candidate) -> str:
@@ -59,6 +60,8 @@ def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int) ->
     ]
     if lay.cp > 1:
         alternatives.append(("no context parallelism (cp1)", lambda L: L.cp == 1))
+    if lay.ep > 1:
+        alternatives.append(("no expert parallelism (ep1)", lambda L: L.ep == 1))
     if lay.recompute != "none":
         alternatives.append(("the same layout without recomputation",
                              lambda L: L == _with(lay, recompute="none")))
@@ -131,6 +134,7 @@ cp = {lay.cp}
 cp_comm = "{lay.cp_comm}"
 pp = {lay.pp}
 dp = {lay.dp}
+ep = {lay.ep}
 schedule = "{lay.schedule}"
 virtual_stages = {lay.virtual_stages}
 zero = {lay.zero}

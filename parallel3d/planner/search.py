@@ -3,7 +3,8 @@
 A layout is valid when the trainer's own checks accept it (degrees divide the world,
 heads and kv-heads divide by tp, every chunk has a layer, the global batch divides into
 micro-batches, at least pp micro-batches, the sequence into 2 cp head-tail chunks and,
-under sequence parallelism, a cp rank's S / cp tokens over tp); ``tp`` stays inside a
+under sequence parallelism, a cp rank's S / cp tokens over tp; for a Mixture-of-Experts
+model, ep dividing dp and the experts); ``tp`` stays inside a
 node (its all-reduces are on the critical path of every layer). It fits when its largest stage, plus the
 fragmentation margin, is within the GPU's memory less the runtime reserve.
 """
@@ -70,6 +71,14 @@ def cp_degrees(work: Workload, n: int, with_cp: bool) -> list[int]:
     return [cp for cp in _divisors(n) if work.seq_len % (2 * cp) == 0]
 
 
+def ep_degrees(model, dp: int) -> list[int]:
+    """Expert-parallel degrees to try at ``dp``: the divisors of dp that divide the experts
+    (``[1]`` for a dense model)."""
+    if getattr(model, "moe", None) is None:
+        return [1]
+    return [ep for ep in _divisors(dp) if model.moe.n_experts % ep == 0]
+
+
 def valid_layouts(work: Workload, n_gpus: int, gpus_per_node: int, fixed: dict | None = None,
                   with_cp: bool = False):
     """Yield every valid :class:`Layout` for ``n_gpus``; ``fixed`` pins fields by name.
@@ -106,15 +115,16 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed):
         if 2 * pp <= model.n_layers:
             schedules.append(("zb-v", 2))
     zeros = (0, 1, 2) if dp * cp > 1 else (0,)
+    eps = ep_degrees(model, dp)
     # sequence parallelism splits a cp rank's S / cp tokens over tp
     sps = (False, True) if tp > 1 and (work.seq_len // cp) % tp == 0 else (False,)
     # both comm modes: the all-gather's traffic is exposed, the ring's hides behind the
     # attention but it keeps its output twice
     comms = CP_COMMS if cp > 1 else ("auto",)
-    for (schedule, v), zero, recompute, sp, comm in product(schedules, zeros, ("none", "selective", "full"),
-                                                             sps, comms):
+    for (schedule, v), zero, recompute, sp, comm, ep in product(schedules, zeros, ("none", "selective", "full"),
+                                                                 sps, comms, eps):
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, schedule=schedule, virtual_stages=v,
-                        zero=zero, recompute=recompute, sequence_parallel=sp, cp=cp, cp_comm=comm)
+                        zero=zero, recompute=recompute, sequence_parallel=sp, cp=cp, cp_comm=comm, ep=ep)
         if all(getattr(layout, k) == val for k, val in fixed.items()):
             yield layout
 

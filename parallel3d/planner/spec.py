@@ -69,6 +69,11 @@ class Layout:
         """Ranks holding the same weights: gradients reduce and ZeRO shards over dp x cp."""
         return self.dp * self.cp
 
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same routed experts: ZeRO shards them over edp x cp (dp / ep x cp)."""
+        return self.dp // self.ep * self.cp
+
     def cp_mode(self, model) -> str:
         """The context-parallel comm the trainer runs: ``cp_comm`` with "auto" resolved
         as ``apply_context_parallel`` resolves it."""
@@ -132,6 +137,11 @@ def _layer_split(model, pp: int, virtual_stages: int, pp_layers: tuple[int, ...]
 def rank_chunks(pp_rank: int, pp: int, virtual_stages: int, schedule: str = "1f1b") -> list[int]:
     """Global chunks held by pipeline rank ``pp_rank`` under ``schedule``: ``pp_rank + j * pp``,
     or zb-v's ``pp_rank, 2 pp - 1 - pp_rank`` (``parallel3d.pipeline.partition``)."""
+    return list(_rank_chunks(pp_rank, pp, virtual_stages, schedule))
+
+
+@lru_cache(maxsize=4096)  # asked for every stage of every layout the search evaluates
+def _rank_chunks(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> tuple[int, ...]:
     from parallel3d.pipeline.partition import rank_chunks as placed
 
-    return placed(pp_rank, pp, virtual_stages, schedule)
+    return tuple(placed(pp_rank, pp, virtual_stages, schedule))

@@ -18,6 +18,13 @@ Per pipeline slot (one micro-batch through one stage, forward and backward)::
               and the last dK/dV message whole. Recomputation re-runs the forward's. On
               NVLink when tp * cp fits in a node (cp sits between tp and dp in rank order).
 
+    ep comm   expert parallelism: per sparse layer four all-to-alls of the rank's routed
+              rows (dispatch and combine, forward and backward; six with full
+              recomputation), exposed (:mod:`parallel3d.planner.experts`). A sparse layer's
+              experts, router and shared experts run whole on every tp rank: their FLOPs
+              per rank divide by tp only under sequence parallelism (each tp rank then
+              routes S / tp tokens; without it every tp rank computes all of them).
+
 A slot splits into F (the forward: GEMMs and attention), B (the input gradient: dgrad
 GEMMs, the attention backward, what recomputation re-runs, the backward's tp collectives)
 and W (the weight gradient: wgrad GEMMs). The pipeline idles, per stage and step
@@ -40,7 +47,7 @@ and its gradient back (point-to-point, on the inter-node link when pipeline neig
 sit on different nodes), once per chunk of the rank; these are not overlapped either.
 
 After the last backward, data parallelism over the replicas dp x cp (cp ranks hold the
-same weights): ZeRO 0 all-reduces the fp32 gradients, ZeRO 1
+same weights; routed experts over edp x cp, dp / ep x cp, in a collective of their own): ZeRO 0 all-reduces the fp32 gradients, ZeRO 1
 reduce-scatters them and all-gathers the updated weights, ZeRO 2 reduce-scatters after
 every micro-batch (overlapped with the next micro-batch's compute; the last one is
 exposed) and all-gathers the weights. The ring collectives use the alpha-beta model::
@@ -58,9 +65,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_per_token,
-                              model_flops_per_token)
+                              mlp_matmul_params, model_flops_per_token)
+from parallel3d.planner.experts import a2a_seconds, routed_tokens, sparse_layers_of
 from parallel3d.planner.hardware import GPU, Efficiency
-from parallel3d.planner.memory import kv_width, stage_params
+from parallel3d.planner.memory import kv_width, stage_expert_params, stage_params
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
 
 
@@ -76,10 +84,11 @@ class StepTime:
     tokens_per_s: float
     mfu: float
     cp_comm_s: float = 0.0  # context parallelism's exposed K/V traffic
+    ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, exposed
 
     @property
     def exposed_comm_s(self) -> float:
-        return self.tp_comm_s + self.cp_comm_s + self.pp_comm_s + self.dp_comm_s
+        return self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.pp_comm_s + self.dp_comm_s
 
 
 def ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
@@ -110,11 +119,24 @@ def stage_phase_flops(work: Workload, layout: Layout, pp_rank: int,
     model, seq = work.model, work.seq_len
     chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
     layers = sum(split[c] for c in chunks)
-    layer_fwd = layer_forward_flops_per_token(model, seq)
+    sparse = sparse_layers_of(model, split, chunks)
     attention_fwd = 4 * seq * model.n_heads * model.head_dim
-    gemm_fwd = layer_fwd - attention_fwd
-    redo = {"none": 0, "full": layer_fwd, "selective": attention_fwd}[layout.recompute]
-    f, b, w = layers * layer_fwd, layers * (gemm_fwd + 2 * attention_fwd + redo), layers * gemm_fwd
+    f = b = w = 0.0
+    for n, is_sparse in ((layers - sparse, False), (sparse, True)):
+        if not n:
+            continue
+        layer_fwd = layer_forward_flops_per_token(model, seq, is_sparse)
+        gemm_fwd = layer_fwd - attention_fwd
+        redo = {"none": 0, "full": layer_fwd, "selective": attention_fwd}[layout.recompute]
+        # An MoE block runs whole on each tp rank: on its S / tp tokens under sequence
+        # parallelism (a tp-th of the block's FLOPs, as the division below gives), on all
+        # of them without (tp - 1 more per rank, added before the division).
+        moe_share = 0
+        if is_sparse and not layout.sequence_parallel:
+            moe_share = 2 * mlp_matmul_params(model, sparse=True) * (layout.tp - 1)
+        f += n * (layer_fwd + moe_share)
+        b += n * (gemm_fwd + 2 * attention_fwd + redo + moe_share * (2 if layout.recompute == "full" else 1))
+        w += n * (gemm_fwd + moe_share)
     if (layout.chunks - 1) in chunks:
         head = head_forward_flops_per_token(model)
         f, b, w = f + head, b + head, w + head
@@ -213,12 +235,22 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     cp_f, cp_b = max_layers * cp_f, max_layers * (cp_b + (cp_f if layout.recompute != "none" else 0.0))
     f, bwd = f + cp_f, bwd + cp_b
     cp_slot = cp_f + cp_b
-    slot = compute_slot + tp_slot + cp_slot
+    # expert parallelism: per sparse layer dispatch and combine in F, their gradients in B
+    # (and the forward's again under full recomputation)
+    max_sparse = max(sparse_layers_of(model, split, rank_chunks(r, layout.pp, layout.virtual_stages,
+                                                                 layout.schedule)) for r in range(layout.pp))
+    a2a = max_sparse * a2a_seconds(model, layout, tokens, b["act"],
+                                   *_links(gpu, eff, layout.tp * layout.cp * layout.ep <= gpus_per_node))
+    ep_f, ep_b = 2 * a2a, (4 if layout.recompute == "full" else 2) * a2a
+    f, bwd = f + ep_f, bwd + ep_b
+    ep_slot = ep_f + ep_b
+    slot = compute_slot + tp_slot + cp_slot + ep_slot
 
     compute_s = m * compute_slot
     bubble_s = bubble_seconds(layout.schedule, layout.pp, layout.virtual_stages, m, f, bwd, w)
     tp_comm_s = m * tp_slot
     cp_comm_s = m * cp_slot
+    ep_comm_s = m * ep_slot
 
     # -- pipeline point-to-point ------------------------------------------------------
     pp_comm_s = 0.0
@@ -231,30 +263,42 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
         pp_comm_s = 2 * (m + bubble_s / slot) * layout.virtual_stages * msg
 
     # -- data parallelism and the optimizer step ----------------------------------------
-    n_params = max(stage_params(model, layout, r, split)[0] for r in range(layout.pp))
-    # gradients reduce (and ZeRO shards) over the replicas dp x cp, tp*cp*dp ranks apart
-    replicas = layout.replicas
-    dp_bw, dp_lat = _links(gpu, eff, layout.tp * replicas <= gpus_per_node)
-    grad_bytes = n_params * b["grad"]
-    weight_bytes = n_params * b["weight"]
-    if layout.zero == 0:
-        dp_comm_s = ring_time("all_reduce", grad_bytes, replicas, dp_bw, dp_lat)
-    elif layout.zero == 1:
-        dp_comm_s = (ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
-                     + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat))
-    else:
-        rs = ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
-        unhidden = max(0.0, rs - 2 / 3 * slot) * (m - 1)  # what the next backward cannot hide
-        dp_comm_s = rs + unhidden + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat)
-    shard = replicas if layout.zero >= 1 else 1
+    # The fullest stage's parameters: the dense ones reduce (and ZeRO shards them) over the
+    # replicas dp x cp, the routed experts over edp x cp, in collectives of their own.
+    fullest = max(range(layout.pp), key=lambda r: stage_params(model, layout, r, split)[0])
+    n_expert = stage_expert_params(model, layout, fullest, split)
+    parts = [(stage_params(model, layout, fullest, split)[0] - n_expert, layout.replicas),
+             (n_expert, layout.expert_replicas)]
+    dp_comm_s = sum(dp_seconds(n, replicas, layout, b, gpu, gpus_per_node, eff, slot, m)
+                    for n, replicas in parts if n)
     # Adam reads and writes master weights (or fp32 weights) and both moments, reads the
     # gradient, and writes the bf16 weights back: about 32 bytes per element held.
-    optimizer_s = 32 * n_params / shard / (gpu.hbm_bytes_per_s * eff.memory)
+    held = sum(n / (replicas if layout.zero >= 1 else 1) for n, replicas in parts)
+    optimizer_s = 32 * held / (gpu.hbm_bytes_per_s * eff.memory)
 
-    step_s = compute_s + bubble_s + tp_comm_s + cp_comm_s + pp_comm_s + dp_comm_s + optimizer_s
+    step_s = compute_s + bubble_s + tp_comm_s + cp_comm_s + ep_comm_s + pp_comm_s + dp_comm_s + optimizer_s
     tokens_per_s = work.tokens_per_step / step_s
     achieved = tokens_per_s * model_flops_per_token(model, work.seq_len)
     return StepTime(step_s=step_s, compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                     pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
                     tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops),
-                    cp_comm_s=cp_comm_s)
+                    cp_comm_s=cp_comm_s, ep_comm_s=ep_comm_s)
+
+
+def dp_seconds(n_params: int, replicas: int, layout: Layout, b: dict, gpu: GPU, gpus_per_node: int,
+               eff: Efficiency, slot: float, m: int) -> float:
+    """Exposed seconds of the data-parallel collectives of ``n_params`` parameters over
+    ``replicas`` ranks (tp * replicas ranks span them at least): ZeRO 0 all-reduces the
+    gradients; ZeRO 1 reduce-scatters them and all-gathers the weights; ZeRO 2 reduce-
+    scatters after every micro-batch, the next backward (``slot``) hiding what it can."""
+    dp_bw, dp_lat = _links(gpu, eff, layout.tp * replicas <= gpus_per_node)
+    grad_bytes = n_params * b["grad"]
+    weight_bytes = n_params * b["weight"]
+    if layout.zero == 0:
+        return ring_time("all_reduce", grad_bytes, replicas, dp_bw, dp_lat)
+    if layout.zero == 1:
+        return (ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
+                + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat))
+    rs = ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
+    unhidden = max(0.0, rs - 2 / 3 * slot) * (m - 1)  # what the next backward cannot hide
+    return rs + unhidden + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat)

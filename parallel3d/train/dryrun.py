@@ -17,12 +17,20 @@ embedding. Over one tp x pp slice, leaving those out, the counts add up to the m
 own (:func:`count_params`; ``tests/test_recipes_dryrun.py`` builds every rank of small
 models and checks it).
 
+A Mixture-of-Experts model under expert parallelism holds ``E / ep`` routed experts of
+each sparse layer on a rank (``models/moe/parallelize.py``; the rank built is ep rank 0):
+its parameters whose name contains ``.experts.`` are counted apart, as expert parameters,
+and printed per stage beside the dense ones.
+
 Bytes per parameter held (the trainer's storage):
 
     weights     2 (bf16) when train.dtype is bf16 (or auto on CUDA), else 4 (fp32)
     gradients   4 (fp32 accumulation); divided by dp x cp at ZeRO 2
     optimizer   8 (Adam's two fp32 moments) + 4 (fp32 master weights, bf16 only);
                 divided by dp x cp at ZeRO 1 and 2 (cp ranks hold the same weights)
+
+Routed experts' gradients and optimizer state divide by edp x cp instead (edp = dp / ep:
+the ranks holding the same experts, ``parallel3d/zero/split.py``).
 
 Activations and step buffers are the planner's estimate (:mod:`parallel3d.planner.memory`)
 at its peak; ``--gpu NAME`` (or ``--gpu-spec``) then says, per stage, whether that fits
@@ -31,13 +39,14 @@ the GPU with the planner's fragmentation margin, and by how much.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from parallel3d.config import JobConfig
-from parallel3d.models.llama import Llama
-from parallel3d.models.llama.parallelize import parallelize_llama
+from parallel3d.models.llama.sharded_init import build_meta_llama
 from parallel3d.planner.hardware import FRAGMENTATION, GPU, memory_terms, usable_bytes
 from parallel3d.planner.memory import StageMemory, memory_per_stage
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
@@ -46,6 +55,7 @@ from parallel3d.train.setup import check_job, resolve_model_config
 
 GiB = 2**30
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
+EXPERT_MARK = ".experts."  # in the name of a routed expert's parameter
 
 
 def memory_dtype(cfg: JobConfig, gpu_target: bool = False) -> str:
@@ -66,6 +76,13 @@ class ParamCount:
     held: int  # every element the rank stores: its memory
     padding: int  # of those, rows padding the vocabulary to a multiple of tp
     copies: int  # of those, elements another rank of the slice counts (p3d_norm_owner False)
+    experts: int = 0  # of those, routed experts' (names containing ".experts.")
+
+    @property
+    def dense(self) -> int:
+        """Held elements that are not routed experts' (attention, norms, router, shared
+        experts, embedding and head)."""
+        return self.held - self.experts
 
     @property
     def owned(self) -> int:
@@ -81,10 +98,11 @@ def count_params(module: torch.nn.Module, vocab_size: int) -> ParamCount:
     ranks, the tied embedding on the first and the last stage) is marked
     ``p3d_norm_owner = False`` on all holders but one; those are the copies. Padding: the
     rows of the vocabulary-parallel embedding and head at or past ``vocab_size``."""
-    held = padding = copies = 0
+    held = padding = copies = experts = 0
     for name, p in module.named_parameters():
         n = p.numel()
         held += n
+        experts += n if EXPERT_MARK in name else 0
         row_padding = 0
         if name.endswith(VOCAB_PARAMS):
             start, stop = getattr(p, "p3d_tp_range", None) or (0, p.shape[0])
@@ -92,18 +110,39 @@ def count_params(module: torch.nn.Module, vocab_size: int) -> ParamCount:
         padding += row_padding
         if getattr(p, "p3d_norm_owner", True) is False:
             copies += n - row_padding
-    return ParamCount(held, padding, copies)
+    return ParamCount(held, padding, copies, experts)
+
+
+class _NoMetaFill(TorchFunctionMode):
+    """In-place fills of meta tensors (the modules' random initialisation, ``from_dense``'s
+    copies) return at once: a meta tensor has no values to fill, and torch's meta path of
+    ``normal_`` costs about 2 ms a call (a 128-expert model's 37,000 of them: 70 s)."""
+
+    FILLS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.fill_, torch.Tensor.zero_,
+             torch.Tensor.copy_}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FILLS and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def shapes_only():
+    """Build modules on the meta device without running their initialisation."""
+    with _NoMetaFill(), torch.device("meta"):
+        yield
 
 
 def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_rank: int = 0):
-    """This rank's model as training builds it, on the meta device (no memory)."""
+    """This rank's model as training builds it (``build_meta_llama``: its pipeline chunks,
+    tensor-parallel shards and, at dp rank 0, ep rank 0's experts), on the meta device."""
     par = cfg.parallel
     grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
     topo = Topology.of(par, rank=grid.rank_of(tp_rank, pp_rank, 0), world_size=world_size,
                        create_groups=False)
-    with torch.device("meta"):
-        model = Llama(model_cfg)
-    module, _ = parallelize_llama(model, topo, par)
+    with shapes_only():
+        module, _ = build_meta_llama(model_cfg, topo, par)
     return module
 
 
@@ -118,13 +157,17 @@ class StateBytes:
         return self.weights + self.grads + self.optimizer
 
 
-def state_bytes(held: int, dtype: str, zero: int, dp: int) -> StateBytes:
-    """Bytes of weights, gradients and optimizer state for ``held`` parameters (the table
-    in the module docstring)."""
-    shard = -(-held // dp)  # ceil: the flat buffers are padded to a multiple of dp
+def state_bytes(held: int, dtype: str, zero: int, dp: int, experts: int = 0,
+                expert_dp: int = 1) -> StateBytes:
+    """Bytes of weights, gradients and optimizer state for ``held`` parameters, of which
+    ``experts`` are routed experts sharded over ``expert_dp`` ranks (edp x cp) and the rest
+    over ``dp`` (dp x cp) (the table in the module docstring)."""
     bf16 = dtype == "bf16"
-    grads = 4 * (shard if zero >= 2 else held)
-    optimizer = (8 + (4 if bf16 else 0)) * (shard if zero >= 1 else held)
+    grads = optimizer = 0
+    for n, ranks in ((held - experts, dp), (experts, expert_dp)):
+        shard = -(-n // ranks)  # ceil: the flat buffers are padded to a multiple of the ranks
+        grads += 4 * (shard if zero >= 2 else n)
+        optimizer += (8 + (4 if bf16 else 0)) * (shard if zero >= 1 else n)
     return StateBytes((2 if bf16 else 4) * held, grads, optimizer)
 
 
@@ -134,6 +177,7 @@ class StageReport:
     params: ParamCount
     states: StateBytes
     planned: StageMemory  # the planner's stage: activations and buffers
+    module: torch.nn.Module | None = None  # the rank's modules, on the meta device
 
     @property
     def transient(self) -> tuple[int, int]:
@@ -162,10 +206,12 @@ def stage_reports(cfg: JobConfig, model_cfg, world_size: int, planned: list[Stag
     par = cfg.parallel
     out = []
     for stage in built_stages(par.pp, planned):
-        params = count_params(rank_modules(cfg, model_cfg, world_size, stage), model_cfg.vocab_size)
-        # weights are replicated over dp x cp: ZeRO shards over both
-        out.append(StageReport(stage, params, state_bytes(params.held, dtype, par.zero, par.dp * par.cp),
-                               planned[stage]))
+        module = rank_modules(cfg, model_cfg, world_size, stage)
+        params = count_params(module, model_cfg.vocab_size)
+        # weights are replicated over dp x cp: ZeRO shards over both; experts over edp x cp
+        states = state_bytes(params.held, dtype, par.zero, par.dp * par.cp, params.experts,
+                             par.dp // par.ep * par.cp)
+        out.append(StageReport(stage, params, states, planned[stage], module))
     return out
 
 
@@ -197,12 +243,36 @@ def stage_table(reports: list[StageReport], pp: int, gpu: GPU | None) -> tuple[s
     return unit, lines
 
 
-def _bytes_legend(dtype: str, zero: int, dp: int, cp: int = 1) -> str:
+def _bytes_legend(dtype: str, zero: int, dp: int, cp: int = 1, ep: int = 1) -> str:
     bf16 = dtype == "bf16"
     shard = f" / dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
+    if ep > 1:  # routed experts shard over the ranks holding the same experts
+        shard += f" (experts / edp {dp // ep}" + (f" x cp {cp}" if cp > 1 else "") + ")"
     return (f"weights {2 if bf16 else 4} B/param ({dtype}), grads 4 B (fp32){shard if zero >= 2 else ''}, "
             f"optimizer {'8 B Adam + 4 B fp32 master' if bf16 else '8 B Adam'}{shard if zero >= 1 else ''} "
             f"(zero {zero})")
+
+
+def active_params(model_cfg) -> int:
+    """Parameters one token passes through: all of a dense model's; a Mixture-of-Experts
+    model's without the routed experts it is not sent to (``top_k`` of ``n_experts``)."""
+    moe = model_cfg.moe
+    n = model_cfg.num_params()
+    if moe is None:
+        return n
+    sparse = sum(model_cfg.is_sparse(i) for i in range(model_cfg.n_layers))
+    return n - sparse * (moe.num_params(model_cfg.dim) - moe.active_params(model_cfg.dim))
+
+
+def expert_lines(reports: list[StageReport], model_cfg, par) -> list[str]:
+    """Per built stage, the rank's expert and dense parameters read from its modules."""
+    moe = model_cfg.moe
+    out = [f"parameters by kind (the rank's modules; experts: names containing '{EXPERT_MARK}', "
+           f"{moe.n_experts // par.ep} of {moe.n_experts} experts a sparse layer at ep {par.ep}):"]
+    for r in reports:
+        out.append(f"  stage {r.stage}: {r.params.experts:,d} expert + {r.params.dense:,d} dense = "
+                   f"{r.params.held:,d}")
+    return out
 
 
 def _print_split(cfg: JobConfig, split: list[int], out) -> None:
@@ -237,9 +307,7 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
     model_cfg = resolve_model_config(cfg.model)
     check_job(cfg, model_cfg, world_size)
     par, train = cfg.parallel, cfg.train
-    with torch.device("meta"):
-        model = Llama(model_cfg)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = model_cfg.num_params()  # the unsplit model (a tied matrix once)
 
     layout = Layout.from_config(cfg)
     dtype = memory_dtype(cfg, gpu_target=gpu is not None)
@@ -249,10 +317,13 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
     planned = memory_per_stage(work, layout, split)
 
     nodes = cfg.launch.nnodes
+    active = f", {param_count(active_params(model_cfg))} active per token" if model_cfg.moe is not None else ""
     out(f"dry run: {world_size} ranks ({nodes} node{'s' if nodes > 1 else ''} x {world_size // nodes}), "
-        f"model {param_count(n_params)} parameters (built on the meta device, nothing allocated)")
+        f"model {param_count(n_params)} parameters{active} (each rank's modules built on the meta device, "
+        "nothing allocated)")
     cp = f" x cp {par.cp} ({layout.cp_mode(model_cfg)})" if par.cp > 1 else ""
-    out(f"layout: tp {par.tp}{cp} x pp {par.pp} x dp {par.dp}; schedule {par.schedule}"
+    ep = f" (ep {par.ep} x edp {par.dp // par.ep})" if par.ep > 1 else ""
+    out(f"layout: tp {par.tp}{cp} x pp {par.pp} x dp {par.dp}{ep}; schedule {par.schedule}"
         f"{f' x{par.virtual_stages} virtual stages' if par.virtual_stages > 1 else ''}; zero {par.zero}; "
         f"recompute {train.recompute}; sequence parallel {'on' if par.sequence_parallel else 'off'}")
     out(f"batch: {train.global_batch} sequences of {train.seq_len} tokens per step = "
@@ -263,11 +334,14 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
     reports = stage_reports(cfg, model_cfg, world_size, planned, dtype)
     unit, table = stage_table(reports, par.pp, gpu)
     out(f"memory per rank ({unit}): parameters held by the rank's modules (built on the meta device at tp "
-        f"rank 0; vocabulary padding and replicated norms included), {_bytes_legend(dtype, par.zero, par.dp, par.cp)}; "
+        f"rank 0; vocabulary padding and replicated norms included), {_bytes_legend(dtype, par.zero, par.dp, par.cp, par.ep)}; "
         "activations and buffers from the planner:")
     for line in table:
         out(line)
-    return {"world_size": world_size, "model": model, "model_cfg": model_cfg, "split": split,
+    if model_cfg.moe is not None:
+        for line in expert_lines(reports, model_cfg, par):
+            out(line)
+    return {"world_size": world_size, "model_cfg": model_cfg, "split": split,
             "stages": planned, "reports": reports}
 
 
