@@ -128,3 +128,19 @@ def test_a_checkpoint_resumes_across_ep(pools, corpus_dir, tmp_path):
         other["checkpoint"]["resume"] = stopped
         continued = pools(world).run(_train, other)[0]["losses"]
         assert relative_diff(continued, straight[4:]) < 1e-5, (par, continued, straight[4:])
+
+
+@pytest.mark.slow  # 16 gloo ranks on 2 cores: ~60 s idle
+def test_every_axis_at_once_trains_as_one_process(pools, corpus_dir, tmp_path):
+    """tp 2 x cp 2 x pp 2 x dp 2 with ep 2 (sequence parallelism, ZeRO 1, 1F1B): the
+    router statistics summed over the tp and cp ranks that share a micro-batch, experts
+    over the ep ranks, gradients over dp x cp (dense) and edp x cp (experts); the first
+    6 steps' losses are one process's (1e-5)."""
+    parallel = {"tp": 2, "cp": 2, "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "zero": 1,
+                "schedule": "1f1b"}
+    ranks = pools(16).run(_train, _job(corpus_dir, str(tmp_path), steps=6, **parallel))
+    want = _train(_job(corpus_dir, str(tmp_path / "ref6"), steps=6))
+    for got in ranks:
+        assert relative_diff(got["losses"], want["losses"]) < 1e-5, (got["losses"], want["losses"])
+        assert relative_diff(got["aux"], want["aux"]) < 1e-5
+        assert got["imbalance"] == want["imbalance"]
