@@ -1,10 +1,10 @@
 """MoE families from Hugging Face at tp 2 x pp 2 x dp 2 with ep 2 (8 gloo ranks, sequence
-parallelism, 1F1B; Qwen2-MoE under zb-h1 too): tiny random Qwen3-MoE (dense first layer), Mixtral and Qwen2-MoE
+parallelism, 1F1B; Qwen2-MoE under zb-h1 too): tiny random Qwen3-MoE (dense first layer), Mixtral, OLMoE and Qwen2-MoE
 (shared expert, sparse every second layer) saved with ``save_pretrained`` and read from
 the folder; the masked loss of a packed batch equals transformers' loss computed document
 by document (the dense families' test, tests/test_families.py, with experts split over
-the two data-parallel ranks of each (tp, pp) position). OLMoE's all-heads q/k norms do
-not split over tp (refused, tests/test_moe_hf.py)."""
+the two data-parallel ranks of each (tp, pp) position). OLMoE's all-heads q/k norms split
+with the heads, their sums of squares added over tp (parallel3d/tensor_parallel/norm.py)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,9 @@ def _family(name: str):
             mlp_only_layers=[0], norm_topk_prob=True)),
         "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(
             **SMALL, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
+        "olmoe": (t.OlmoeForCausalLM, t.OlmoeConfig(
+            **SMALL, intermediate_size=24, num_experts=4, num_experts_per_tok=2, pad_token_id=None,
+            eos_token_id=None)),
         "qwen2_moe": (t.Qwen2MoeForCausalLM, t.Qwen2MoeConfig(
             **SMALL, intermediate_size=64, moe_intermediate_size=24, shared_expert_intermediate_size=40,
             num_experts=4, num_experts_per_tok=2, decoder_sparse_step=2)),
@@ -84,8 +87,8 @@ def _packed_loss_3d_ep(hf_config: dict, state: dict, windows: list, schedule: st
     return float(all_reduce(loss.clone(), topo.dp_group) / topo.dp), sorted(held)
 
 
-@pytest.mark.parametrize("family,schedule", [("qwen3_moe", "1f1b"), ("mixtral", "1f1b"), ("qwen2_moe", "1f1b"),
-                                             ("qwen2_moe", "zb-h1")])
+@pytest.mark.parametrize("family,schedule", [("qwen3_moe", "1f1b"), ("mixtral", "1f1b"), ("olmoe", "1f1b"),
+                                             ("qwen2_moe", "1f1b"), ("qwen2_moe", "zb-h1")])
 def test_packed_masked_loss_at_2x2x2_ep2_equals_transformers_per_document(pools, family, schedule, tmp_path):
     hf = _hf_folder(family, tmp_path)
     hf_config = json.loads((tmp_path / "config.json").read_text())

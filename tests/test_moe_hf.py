@@ -162,8 +162,9 @@ def test_moe_configs_refused_by_name():
         config_to_hf(replace(cfg, qk_norm_all_heads=True))
     from parallel3d.models.llama.parallelize import tensor_parallel_problems
 
-    problems = tensor_parallel_problems(config_from_hf(olmoe.to_dict()), 2)
-    assert problems == ["q/k norms over all heads (OLMoE) do not split over parallel.tp 2: use parallel.tp 1"]
+    assert tensor_parallel_problems(config_from_hf(olmoe.to_dict()), 2) == []  # norms split with the heads
+    problems = tensor_parallel_problems(config_from_hf(olmoe.to_dict()), 4)  # 2 kv-heads
+    assert "q/k norms over all heads (OLMoE) split with the heads: parallel.tp 4 must divide model.n_kv_heads 2" in problems
     assert tensor_parallel_problems(cfg, 2) == []  # Qwen3-MoE: attention split, experts whole
 
 

@@ -56,6 +56,7 @@ from parallel3d.kernels.deferred import defer
 from parallel3d.pipeline.partition import layer_ranges, rank_chunks, resolve_split
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD
 from parallel3d.tensor_parallel.split_backward import split_weight_grads
+from parallel3d.tensor_parallel.norm import ShardedRMSNorm
 
 from .model import MLP, Llama, LlamaConfig, RMSNorm, _RMSNormFn
 
@@ -109,9 +110,9 @@ def tensor_parallel_problems(cfg: LlamaConfig, tp: int) -> list[str]:
     if cfg.ffn_dim % tp and not all(cfg.is_sparse(i) for i in range(cfg.n_layers)):
         problems.append(f"model.ffn_dim {cfg.ffn_dim} is not divisible by parallel.tp {tp}: "
                         "choose a tp that divides the MLP width")
-    if cfg.qk_norm and cfg.qk_norm_all_heads:
-        problems.append(f"q/k norms over all heads (OLMoE) do not split over parallel.tp {tp}: "
-                        "use parallel.tp 1")
+    if cfg.qk_norm and cfg.qk_norm_all_heads and cfg.n_kv_heads % tp:
+        problems.append(f"q/k norms over all heads (OLMoE) split with the heads: parallel.tp {tp} must "
+                        f"divide model.n_kv_heads {cfg.n_kv_heads}")
     return problems
 
 
@@ -169,7 +170,11 @@ def apply_tensor_parallel(model: Llama, topo, sequence_parallel: bool = False,
                 mark_replicated(p, tp_rank, tp, partial_grad=sp)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             mark_replicated(norm.weight, tp_rank, tp, partial_grad=sp)
-        if attn.q_norm is not None:
+        if attn.q_norm is not None and attn.qk_norm_all_heads:
+            # OLMoE: a norm over all heads' columns, split with them (a sum over tp inside)
+            attn.q_norm = ShardedRMSNorm.from_dense(attn.q_norm, group, tp, tp_rank)
+            attn.k_norm = ShardedRMSNorm.from_dense(attn.k_norm, group, tp, tp_rank)
+        elif attn.q_norm is not None:
             # One weight applied to every head; each rank sees its own heads (and the
             # query heads reading its kv-heads), so its gradient is a part of the sum.
             for norm in (attn.q_norm, attn.k_norm):
