@@ -229,3 +229,33 @@ def test_tied_qwen2_to_dcp_loads_into_transformers(tmp_path):
     target.load_state_dict(state)
     with torch.no_grad():
         assert torch.equal(target(input_ids=TOKENS % 300).logits, source(input_ids=TOKENS % 300).logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_an_moe_models_dcp_with_stacked_experts_converts_per_expert(tmp_path, family):
+    """transformers 5's ``state_dict()`` of an MoE model stacks each layer's experts
+    (``experts.gate_up_proj`` (E, 2f, dim), ``experts.down_proj`` (E, dim, f)); a DCP of
+    it converts to Hugging Face's on-disk form, one tensor per expert, bit for bit what
+    ``save_pretrained`` writes."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    transformers = pytest.importorskip("transformers")
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1)
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**small, intermediate_size=48, moe_intermediate_size=16, num_experts=4,
+                                          num_experts_per_tok=2, head_dim=16, mlp_only_layers=[0])
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.MixtralConfig(**small, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(cfg)
+    state = model.state_dict()
+    assert any(k.endswith("experts.gate_up_proj") for k in state)  # the stacked form
+    model.save_pretrained(tmp_path / "hf")
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    cfg.save_pretrained(tmp_path / "dcp")
+    convert(tmp_path / "dcp", tmp_path / "out", "hf", progress=False)
+    want, got = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "out"))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -1,6 +1,8 @@
 """A torch DCP checkpoint as a source: Hugging Face naming (``model.state_dict()`` of a
 ``LlamaForCausalLM``, plain or wrapped by FSDP2) or torchtitan's Llama naming, with the
-Adam moments, step and learning rate when the checkpoint holds an optimizer.
+Adam moments, step and learning rate when the checkpoint holds an optimizer. An MoE
+model's experts are read per expert (the on-disk Hugging Face names) or out of
+transformers 5's stacked ``experts.gate_up_proj`` / ``experts.down_proj``.
 
 Naming is recognised by the embedding's key: ``<P>model.embed_tokens.weight`` (Hugging
 Face) or ``<P>tok_embeddings.weight`` (torchtitan), where ``<P>`` is whatever the saving
@@ -19,13 +21,14 @@ beside / above the folder.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from parallel3d.models.llama.hf import name_to_hf
 
 from .dcp_read import DCPStore
 from .errors import CheckpointError
-from .mapped import Mapping, MappedSource, Permuted, whole
+from .mapped import Mapping, MappedSource, Permuted, rows, whole
 from .source import find_config, model_config_of
 from .state import logical_shapes
 
@@ -65,6 +68,33 @@ def _naming(keys) -> tuple[str, str]:
     return "", ""
 
 
+_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fused_expert(name: str, cfg, tensors, prefix: str) -> list | None:
+    """Expert ``e``'s weight inside the stacked tensors of transformers 5's ``state_dict()``
+    (what FSDP2 or a plain ``dcp.save`` of an HF MoE model writes):
+    ``model.layers.L.mlp.experts.gate_up_proj`` (E, 2f, dim), gate rows first, and
+    ``...experts.down_proj`` (E, dim, f). None when ``name`` is no expert weight or the
+    checkpoint has no such stack."""
+    m = _EXPERT.fullmatch(name)
+    if m is None or cfg.moe is None:
+        return None
+    layer, expert, which = int(m[1]), int(m[2]), m[3]
+    stem = f"{prefix}model.layers.{layer}.mlp.experts."
+    f, dim = cfg.moe.ffn_dim, cfg.dim
+    if which == "down_proj":
+        key, want, start = stem + "down_proj", (cfg.moe.n_experts, dim, f), 0
+    else:
+        key, want, start = stem + "gate_up_proj", (cfg.moe.n_experts, 2 * f, dim), 0 if which == "gate_proj" else f
+    if key not in tensors:
+        return None
+    if tuple(tensors[key].shape) != want:
+        raise CheckpointError(f"{key} has shape {list(tensors[key].shape)}, config.json implies {list(want)}")
+    shape = (dim, f) if which == "down_proj" else (f, dim)
+    return [rows(key, shape, start, lead=(expert,))]
+
+
 class DCPCheckpoint(MappedSource):
     def __init__(self, folder: Path, config=None):
         store = DCPStore(folder)
@@ -92,6 +122,11 @@ class DCPCheckpoint(MappedSource):
             options = candidates(name)
             fqn = next((f for f in options if prefix + f in tensors), options[0])
             key = prefix + fqn
+            fused = fused_expert(name, cfg, tensors, prefix) if key not in tensors else None
+            if fused is not None:  # transformers >= 5 keeps a layer's experts stacked
+                self.fqns[name] = fused[0].key[len(prefix):]
+                self.mappings["model/" + name] = Mapping(tuple(shape), tensors[fused[0].key].dtype, fused)
+                continue
             if key not in tensors:
                 raise CheckpointError(f"{self.folder}: no tensor {key} for {name} ({self.naming} naming; "
                                       "missing shards, or config.json describes another model?)")
