@@ -17,8 +17,8 @@ datasets, prepare-data when --repeat 2):
                 ``encode_batch`` (one thread per process, as prepare-data's workers) and
                 appending the EOS id; its Arrow output is its result.
 
-Each side reports wall seconds, input MB/s, CPU-seconds per wall second (1.9 = both cores
-busy: user + system of the child and every descendant it reaped, from getrusage), and the
+Each side reports wall seconds, input MB/s, CPU-seconds (user + system of the child and
+every descendant it reaped, from getrusage) and per wall second (1.9 = both cores busy), and the
 peak resident memory of the whole process tree (the sum of VmRSS over the child and its
 descendants, sampled every 50 ms). Then prepare-data is killed (SIGKILL) half-way through
 the input and run again: the rerun keeps the finished shards (counted) and its dataset is
@@ -141,8 +141,8 @@ print(json.dumps({"load_s": t1 - t0, "map_s": time.perf_counter() - t1, "tokens"
 
 
 def _line(name: str, r: dict, mb: float) -> str:
-    return (f"{name:13s} {r['wall']:7.1f} s  {mb / r['wall']:6.2f} MB/s  {r['cpu'] / r['wall']:4.2f} CPU-s per s  "
-            f"peak RSS {r['peak'] / 2**30:5.2f} GiB")
+    return (f"{name:13s} {r['wall']:7.1f} s  {mb / r['wall']:6.2f} MB/s  {r['cpu']:7.1f} CPU-s "
+            f"({r['cpu'] / r['wall']:4.2f} per s)  peak RSS {r['peak'] / 2**30:5.2f} GiB")
 
 
 def corpus_main(gb: float, workers: int, where: str | None) -> None:
@@ -180,8 +180,11 @@ def corpus_main(gb: float, workers: int, where: str | None) -> None:
                  else f"  {r['tokens']:,} tokens")
         print(_line(side, r, mb) + extra, flush=True)
     best = {k: min(v, key=lambda r: r["wall"]) for k, v in results.items()}
-    print(f"ratio datasets / prepare-data wall time: {best['datasets']['wall'] / best['prepare-data']['wall']:.2f} "
-          f"(map alone: {best['datasets']['map_s'] / best['prepare-data']['wall']:.2f})")
+    cpu = {k: min(r["cpu"] for r in v) for k, v in results.items()}
+    print(f"ratio datasets / prepare-data: wall time {best['datasets']['wall'] / best['prepare-data']['wall']:.2f} "
+          f"(fastest of each; map alone {best['datasets']['map_s'] / best['prepare-data']['wall']:.2f}), "
+          f"CPU-seconds {cpu['datasets'] / cpu['prepare-data']:.2f} (least of each: what a loaded machine "
+          "disturbs least)")
     _killed_and_rerun(tmp, prep_args, mb)
     if where is None:
         shutil.rmtree(tmp, ignore_errors=True)

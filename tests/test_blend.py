@@ -250,3 +250,11 @@ def test_2x2x2_trains_on_the_blend_as_1x1x1(pools, sources, tmp_path):
                                    "run": {"dir": str(tmp_path / "3d")}})
     for losses in ranks:
         assert relative_diff(losses, reference) < 1e-5  # fp32, sums in another order (test_train_3d)
+
+
+def test_the_banner_line_names_the_blend():
+    from parallel3d.data.stdlib import describe
+
+    cfg = load_config(None, {"data": {"blend": [{"name": "web", "path": "/d/web", "weight": 3},
+                                                {"name": "math", "path": "/d/math", "weight": 1}]}})
+    assert describe(cfg.data) == "data.blend: web 75% (/d/web), math 25% (/d/math)"

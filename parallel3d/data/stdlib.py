@@ -82,7 +82,11 @@ def cache_path(cfg: DataConfig) -> Path:
 
 
 def describe(cfg: DataConfig) -> str:
-    """One line on the stdlib corpus ``cfg`` names, and whether it is built yet."""
+    """One line on the stdlib corpus ``cfg`` names, and whether it is built yet (or, with
+    ``data.blend``, on the blend's sources, which are read instead)."""
+    if cfg.blend:
+        total = sum(b.weight for b in cfg.blend)
+        return "data.blend: " + ", ".join(f"{b.name} {b.weight / total:.0%} ({b.path})" for b in cfg.blend)
     path = cache_path(cfg)
     state = f"cached in {path}" if (path / INDEX).is_file() else f"to be built once into {path}"
     return (f"stdlib corpus: the first {cfg.max_bytes / 1e6:.1f} MB of this Python's standard library "
