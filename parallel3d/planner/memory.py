@@ -91,7 +91,7 @@ from dataclasses import dataclass, field
 from parallel3d.planner.experts import (a2a_transient_bytes, expert_params, moe_replicated_params,
                                        moe_selective_bytes, moe_token_bytes, sparse_layers_of)
 from parallel3d.planner.moments import (backward_moments, head_stash_bytes, in_flight,  # noqa: F401 - this module's API
-                                       layer_stash_bytes)
+                                       layer_stash_bytes, peak_moments)
 from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, layer_split, rank_chunks
 
 BUCKET_BYTES = 25 * 2**20  # gradient buckets (parallel.bucket_mb)
@@ -344,7 +344,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     # A W computes its chunk's weight gradients, handing them to autograd in groups of up
     # to FLUSH_BYTES (kernels/deferred.py): what exists at once besides the buffers.
     w_group = min(FLUSH_BYTES, n * b["weight"] // layout.virtual_stages) + largest * b["weight"]
-    for alive, alive_last, waiting, waiting_last, done, is_last in backward_moments(layout, m, pp_rank):
+    for alive, alive_last, waiting, waiting_last, is_last in peak_moments(layout, m, pp_rank):
         act = (alive * chunk_act + (alive - alive_last) * stashed + alive_last * saved
                + waiting * chunk_stash + waiting_last * head_stash)
         if is_last is None:  # a W: no recomputation, no loss buffers

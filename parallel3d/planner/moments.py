@@ -50,6 +50,35 @@ def _moments(schedule: str, pp: int, v: int, n_micro: int, pp_rank: int) -> list
     return sorted(out)
 
 
+def peak_moments(layout: Layout, n_micro: int, pp_rank: int) -> list[tuple[int, int, int, int, bool | None]]:
+    """The moments of :func:`backward_moments` that can hold the rank's peak: (alive, alive
+    of the last chunk, waiting for their W, of those the last chunk's, is_last), without
+    ``done`` (no byte depends on it) and without a moment another of the same kind
+    (``is_last``) dominates, i.e. has at least as many micro-batches in every class (the
+    bytes of a moment grow with each class, ``memory.stage_memory``). The search asks this
+    for every layout it evaluates; the walk gives dozens of moments a rank, this a few.
+    The peak is the walk's; where moments tie, its split into activations and buffers may
+    be another tied moment's."""
+    schedule = layout.schedule if layout.pp > 1 else "1f1b"
+    return _peak_moments(schedule, layout.pp, layout.virtual_stages, n_micro, pp_rank)
+
+
+@lru_cache(maxsize=4096)
+def _peak_moments(schedule: str, pp: int, v: int, n_micro: int, pp_rank: int) -> list:
+    classes = {}
+    for alive, alive_last, waiting, waiting_last, _, is_last in _moments(schedule, pp, v, n_micro, pp_rank):
+        # the four classes, each counted once: other chunks' alive, the last chunk's alive,
+        # other chunks' waiting, the last chunk's waiting
+        classes.setdefault(is_last, set()).add((alive - alive_last, alive_last, waiting - waiting_last,
+                                                waiting_last))
+    out = []
+    for is_last, points in classes.items():
+        for p in points:
+            if not any(q != p and all(a <= b for a, b in zip(p, q)) for q in points):
+                out.append((p[0] + p[1], p[1], p[2] + p[3], p[3], is_last))
+    return sorted(out, key=lambda m: (m[:4], {True: 1, False: 0, None: -1}[m[4]]))
+
+
 def in_flight(layout: Layout, n_micro: int, pp_rank: int) -> int:
     """Micro-batches (chunk-micro-batches when interleaved or zb-v) alive on ``pp_rank``,
     until their W with a zero-bubble schedule: the closed form of the largest count the
