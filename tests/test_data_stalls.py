@@ -110,3 +110,37 @@ def test_the_report_names_a_data_bound_run():
     assert data_bound_lines(fast) == []
     (line,) = data_bound_lines(slow)
     assert line.startswith("data-bound: 50% of the step time") and "100 ms of 200 ms" in line
+
+
+class BurstyShards(SlowShards):
+    """Every 4th batch reads slowly (``slow`` s over its 8 reads), the others ``fast``."""
+
+    def __init__(self, tokens, fast: float, slow: float):
+        super().__init__(tokens, 0.0)
+        self.fast, self.slow, self.reads = fast / 8, slow / 8, 0
+
+    def __getitem__(self, key):
+        batch = self.reads // 8
+        self.reads += 1
+        time.sleep(self.slow if batch % 4 == 3 else self.fast)
+        return self.tokens[key]
+
+
+def test_the_loader_builds_further_ahead_when_that_hides_the_slow_batches():
+    """Batches build in 0.05 s, every 4th in 0.6 s, steps compute 0.2 s: on average the
+    builder keeps up, but a queue of 1 waits at each slow batch. The loader measures it,
+    builds ceil(0.6 / 0.2) + 1 = 4 steps ahead, and the waits vanish."""
+    windows = TokenWindows(BurstyShards(np.arange(80_000) % 500, fast=0.05, slow=0.6), 16)
+    sampler = GlobalBatchSampler(windows.num_samples, 8, 4, 1, 0, seed=1)
+    lines: list[str] = []
+    loader = PrefetchLoader(windows, sampler, torch.device("cpu"), depth=1, log=lines.append)
+    waits = []
+    for _ in range(36):
+        waits.append(loader.next()[1])
+        time.sleep(0.2)
+    loader.close()
+    # ceil(0.6 / 0.2) + 1 = 4; a loaded machine's sleeps overshoot, which may make it 5
+    assert len(lines) >= 1 and f"building {loader.depth} steps ahead instead of data.prefetch 1" in lines[0]
+    assert loader.depth in (4, 5), lines
+    assert max(waits[:12]) > 0.1, waits  # before: a slow batch made the step wait
+    assert max(waits[-12:]) < 0.05, waits  # after: hidden (slack for a loaded machine)

@@ -30,7 +30,7 @@ import torch
 
 from parallel3d.data.batch import MicroBatch
 from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
-from parallel3d.data.stalls import StallMonitor
+from parallel3d.data.stalls import MAX_PREFETCH, StallMonitor
 
 _DONE = object()
 
@@ -145,9 +145,25 @@ class PrefetchLoader:
         wait = end - t0
         line = self.stalls.step(wait, None if self._last_end is None else end - self._last_end)
         self._last_end = end
-        if line is not None and self.log is not None:
-            self.log(line)
+        if line is not None:
+            self._deepen(line)
         return [_to(mb, self.device) for mb in batches], wait
+
+    def _deepen(self, line: str) -> None:
+        """The run is data-bound: when a deeper queue hides the measured builds, build
+        that many steps ahead from now on (``data.prefetch`` sized from the measured cost
+        of a batch, up to MAX_PREFETCH), and say it."""
+        want = self.stalls.wanted_depth(self.stalls.figures())
+        if self.depth > 0 and want is not None and self.depth < want:
+            new = min(want, MAX_PREFETCH)
+            if new > self.depth:
+                line = line.split(": raise data.prefetch")[0] + (
+                    f": building {new} steps ahead instead of data.prefetch {self.depth} (set it to {new})")
+                self.depth = self.stalls.depth = new
+                if self._thread is not None:
+                    self._queue.maxsize = new  # the producer's next put sees the room
+        if self.log is not None:
+            self.log(line)
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

@@ -13,9 +13,10 @@ The run is **data-bound** when ``share >= threshold`` (5%): then the monitor ret
 line for the console (at most every ``window`` steps): the share, the wait and the
 step in milliseconds, the batch's build time, and what to do about it:
 
-* a batch builds faster than a step computes (``build < compute``): prefetch can hide it,
-  the queue was too short for the jitter; :func:`prefetch_for` sizes ``data.prefetch`` from
-  the measured costs: ``ceil(build / compute) + 1`` steps ahead;
+* a batch builds faster than a step computes on average (``build < compute``): prefetch can
+  hide it, the queue was too short for the slow batches; :func:`prefetch_for` sizes the
+  queue from the measured costs, ``ceil(slowest build / compute) + 1`` steps ahead, and the
+  loader raises its depth to that (up to :data:`MAX_PREFETCH`) and says so;
 * it builds slower: no queue depth hides it (one builder thread delivers one batch per
   ``build`` seconds); the data path itself must get faster (shards on a local disk,
   fewer, larger reads), and the share is what the run loses to it.
@@ -27,6 +28,7 @@ import collections
 import math
 
 DATA_BOUND_SHARE = 0.05  # below it, waiting for data is noise beside a step's own jitter
+MAX_PREFETCH = 8  # the loader raises its queue up to this many steps of batches
 
 
 def prefetch_for(build_s: float, compute_s: float) -> int:
@@ -57,7 +59,14 @@ class StallMonitor:
         n = len(self.steps)
         build = sum(self.builds) / len(self.builds) if self.builds else 0.0
         return {"share": wait / step if step > 0 else 0.0, "wait_s": wait / n, "step_s": step / n,
-                "compute_s": (step - wait) / n, "build_s": build}
+                "compute_s": (step - wait) / n, "build_s": build, "build_max_s": max(self.builds, default=0.0)}
+
+    def wanted_depth(self, f: dict) -> int | None:
+        """The queue depth that hides the measured builds, when a deeper queue can (the
+        mean build is shorter than a step's compute); None when none can."""
+        if f["build_s"] >= f["compute_s"]:
+            return None
+        return prefetch_for(max(f["build_max_s"], f["build_s"]), f["compute_s"])
 
     def step(self, wait_s: float, step_s: float | None) -> str | None:
         """Record a step; the console line when the run is data-bound (at most once every
@@ -78,8 +87,8 @@ class StallMonitor:
         head = (f"data-bound: {f['share']:.0%} of the last {len(self.steps)} steps waited for data "
                 f"({f['wait_s'] * 1e3:.0f} ms of {f['step_s'] * 1e3:.0f} ms a step); a batch takes "
                 f"{f['build_s'] * 1e3:.0f} ms to build, a step computes {f['compute_s'] * 1e3:.0f} ms")
-        if f["build_s"] < f["compute_s"]:
-            want = prefetch_for(f["build_s"], f["compute_s"])
+        want = self.wanted_depth(f)
+        if want is not None:
             if want > self.depth:
                 return head + f": raise data.prefetch from {self.depth} to {want}"
             return head + f": data.prefetch {self.depth} should hide it; the reads are uneven (slow storage?)"
