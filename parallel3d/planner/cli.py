@@ -173,7 +173,7 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"no layout fits; the closest, {closest.layout.describe()}, {closest.verdict()}")
         return 1
     print()
-    for line in reasons(candidates, best, args.gpus_per_node):
+    for line in reasons(candidates, best, args.gpus_per_node, fixed):
         print(line)
     if args.write_recipe:
         try:

@@ -44,8 +44,12 @@ def _best_of(candidates: list[Candidate], pick) -> Candidate | None:
     return next((c for c in group if c.fits), group[0] if group else None)
 
 
-def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int) -> list[str]:
-    """Why ``best`` wins, and why the obvious alternatives lose (one line each)."""
+def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int,
+            fixed: dict | None = None) -> list[str]:
+    """Why ``best`` wins, and why the obvious alternatives lose (one line each); where an
+    alternative has no valid layout, the pinned degrees (``fixed``: --tp, --cp, --pp, --dp,
+    --ep) it was searched under are named."""
+    pins = " ".join(f"--{k} {v}" for k, v in (fixed or {}).items())
     t, lay = best.time, best.layout
     total = t.step_s
     parts = ", ".join(f"{k} {v / total:.0%}" for k, v in _shares(best).items() if v / total >= 0.005)
@@ -80,7 +84,7 @@ def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int) ->
     for label, pick in alternatives:
         alt = _best_of(candidates, pick)
         if alt is None:
-            out.append(f"{label}: no valid layout for this job")
+            out.append(f"{label}: no valid layout for this job" + (f" with {pins}" if pins else ""))
         elif alt.layout in seen:
             continue
         elif not alt.fits:
