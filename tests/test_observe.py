@@ -425,3 +425,21 @@ def test_the_step_time_includes_an_optimizer_update_the_device_runs_late(corpus_
     # before, it came right after apply() returned, 1.5 s short)
     end = marks["start"] + record["step_time_s"]
     assert end >= marks["applied"] + 1.5 - 0.01, (end - marks["applied"])
+
+
+def test_report_of_an_moe_run_draws_the_experts_imbalance_and_summarises_it():
+    from parallel3d.observe.report import build_figure, summary
+
+    records, _ = _synthetic_run(steps=30, eval_every=100)
+    for i, r in enumerate(records):
+        r.update(aux_loss=0.02, expert_imbalance=3.0 - i * 0.04, dropped_tokens=0, all_to_all_s=0.01,
+                 all_to_all_share=0.25)
+    fig = build_figure(records, None, "moe")
+    twins = [a for a in fig.axes[4:] if a.get_ylabel() == "tokens per expert, max / mean"]
+    assert len(twins) == 1
+    drawn = [line for line in twins[0].get_lines() if line.get_label().startswith("experts")]
+    assert list(drawn[0].get_ydata()) == [r["expert_imbalance"] for r in records]
+    text = summary(records)
+    # the last 10 steps: 3 - 0.04 x mean(20..29) = 3 - 0.04 x 24.5 = 2.02
+    assert "experts: max / mean tokens 3.00 at step 1, 2.02 over the last 10 steps; aux loss 0.0200" in text
+    assert "all-to-all 25% of the step" in text

@@ -5,7 +5,8 @@ ranks' coordinates) and writes ``RUN_DIR/report.png``: a title naming the run, i
 and its model, and four panels, every x-axis in steps:
 
 * loss: the training loss raw (thin) and smoothed (a trailing mean), and the held-out
-  loss at each evaluation;
+  loss at each evaluation; for a Mixture-of-Experts run, the experts' imbalance (max /
+  mean tokens per expert, the worst layer) on a second axis;
 * throughput: tokens/s raw and smoothed, and MFU on a second axis when the run had a
   known GPU peak;
 * the step-time breakdown per step, stacked (means over ranks, see
@@ -142,6 +143,7 @@ def summary(records: list[dict], events: list[dict] = ()) -> str:
         lines.append("breakdown (median, share): " + ", ".join(
             f"{_LABELS[k]} {med(k) / total * 100:.0f}%" for k in BREAKDOWN))
     lines += data_bound_lines(steady)
+    lines += experts_lines(records)
     for name in source_names(records):
         parts = [f"{key.split('/')[0].replace('_', '-')} {r[key]:.4f} at step {r['step']}"
                  for key in (f"loss/{name}", f"val_loss/{name}")
@@ -276,7 +278,38 @@ def _loss_panel(ax, records: list[dict], window: int) -> None:
                 label="held-out loss")
     _source_losses(ax, records, window)
     ax.set(title="loss", xlabel="step", ylabel="cross-entropy (nats)")
-    _legend_beside(ax)
+    handles, labels = ax.get_legend_handles_labels()
+    experts = all("expert_imbalance" in r for r in records)
+    if experts:  # a Mixture-of-Experts run
+        twin = ax.twinx()
+        (line,) = twin.plot(steps, [r["expert_imbalance"] for r in records], color="tab:orange",
+                            linewidth=1.0, label="experts max / mean (worst layer)")
+        twin.axhline(1.0, color="tab:orange", linestyle=":", linewidth=0.8)
+        twin.set_ylabel("tokens per expert, max / mean")
+        handles.append(line)
+        labels.append(line.get_label())
+    ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.12 if experts else 1.02, 1.0),  # past the twin's axis
+              fontsize=8, frameon=False, borderaxespad=0)
+
+
+def experts_lines(records: list[dict]) -> list[str]:
+    """A Mixture-of-Experts run's balance: the imbalance at the start and the end, the aux
+    loss, dropped tokens and the all-to-all share."""
+    moe = [r for r in records if "expert_imbalance" in r]
+    if not moe:
+        return []
+    steady = steady_records(moe) or moe
+    med = lambda key: statistics.median(r.get(key, 0.0) for r in steady)  # noqa: E731
+    tail = moe[-min(len(moe), 10):]
+    line = (f"experts: max / mean tokens {moe[0]['expert_imbalance']:.2f} at step {moe[0]['step']}, "
+            f"{statistics.mean(r['expert_imbalance'] for r in tail):.2f} over the last {len(tail)} steps; "
+            f"aux loss {moe[-1]['aux_loss']:.4f}")
+    dropped = sum(r.get("dropped_tokens", 0) for r in moe)
+    if dropped:
+        line += f"; {dropped} assignments dropped"
+    if med("all_to_all_s"):
+        line += f"; all-to-all {med('all_to_all_share') * 100:.0f}% of the step (median)"
+    return [line]
 
 
 def source_names(records: list[dict]) -> list[str]:
