@@ -88,8 +88,10 @@ class MoEBlock(nn.Module):
             expert_of = routing.indices.reshape(-1)[order]
             kept, kept_counts = drop_over_capacity(order, counts, expert_of, capacity)
         token_of = kept // k  # (N,)
-        routed = self.experts(flat[token_of], kept_counts.tolist())  # (N, dim), expert-major
-        routed = routed * routing.weights.reshape(-1)[kept, None]
+        # index_select rather than advanced indexing: the same rows, a faster gather on CPU
+        # (its backward, index_add_ in index order, sums a token's rows as index_put_ did)
+        routed = self.experts(flat.index_select(0, token_of), kept_counts.tolist())  # (N, dim), expert-major
+        routed = routed * routing.weights.reshape(-1).index_select(0, kept)[:, None]
         out = torch.zeros_like(flat).index_add_(0, token_of, routed.to(flat.dtype))
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)

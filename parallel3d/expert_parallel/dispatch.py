@@ -112,6 +112,9 @@ def dispatch_experts_combine(x: torch.Tensor, counts: torch.Tensor,
     n_local = arriving.shape[1]
     local_expert = torch.arange(n_local, device=counts.device).repeat(ep)  # each (source, expert) run
     order = torch.argsort(torch.repeat_interleave(local_expert, arriving.reshape(-1)), stable=True)
-    out = run_local(rows[order], arriving.sum(0).tolist())  # local-expert-major
-    back = torch.empty_like(out).index_copy(0, order, out)  # source-major again
+    # Both permutations are index_select gathers (the same rows as indexing / index_copy,
+    # faster on CPU; a permutation's backward adds each row once to zeros: exact).
+    out = run_local(rows.index_select(0, order), arriving.sum(0).tolist())  # local-expert-major
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    back = out.index_select(0, inverse)  # source-major again
     return all_to_all_rows(back, receive, send, group, timeline)
