@@ -142,6 +142,19 @@ def _torchtitan_layer(args, ours: MoEBlock, rank: int):
     return layer
 
 
+def _expert_rows(counts: torch.Tensor, rank: int) -> tuple[int, int]:
+    """Rows the experts of the busiest rank compute: ours, the routed ones arriving there;
+    DeepSpeed's dropless buffer, E x C with C the largest count of any expert on any rank."""
+    import torch.distributed as dist
+
+    routed = counts.clone()
+    dist.all_reduce(routed)  # (E,) assignments per expert over both ranks
+    ours = torch.tensor(max(int(part.sum()) for part in routed.chunk(EP)))
+    capacity = counts.max().clone()
+    dist.all_reduce(capacity, op=dist.ReduceOp.MAX)
+    return int(ours), counts.numel() * int(capacity)
+
+
 def _run(layer, x, g) -> torch.Tensor:
     """One forward + backward; the layer's output (DeepSpeed returns a tuple)."""
     layer.zero_grad(set_to_none=True)
@@ -187,6 +200,7 @@ def _worker(rank: int, store: str, args, queue) -> None:
         diffs[name] = [(out - reference).abs().max().item(), (x.grad - reference_grad).abs().max().item()]
     diffs = torch.tensor(list(diffs.values()))
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
+    expert_rows = _expert_rows(ours.last_stats.tokens_per_expert, rank)
 
     names = list(sides)
     times = {n: [] for n in names}
@@ -202,19 +216,19 @@ def _worker(rank: int, store: str, args, queue) -> None:
             _run(sides[name], x, g)
             step = time.perf_counter() - t0
             row = torch.tensor([[step, clock.seconds if clock else float("nan")]])
-            rows = [torch.empty_like(row) for _ in range(EP)]
-            dist.all_gather(rows, row)
-            slowest = max(rows, key=lambda r: r[0, 0].item())[0]
+            gathered = [torch.empty_like(row) for _ in range(EP)]
+            dist.all_gather(gathered, row)
+            slowest = max(gathered, key=lambda r: r[0, 0].item())[0]
             if round_ >= args.warmup:
                 times[name].append(slowest[0].item())
                 shares[name].append(slowest[1].item() / slowest[0].item())
     if rank == 0:
-        queue.put((names, diffs.tolist(), times, shares))
+        queue.put((names, diffs.tolist(), times, shares, expert_rows))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _report(args, names, diffs, times, shares) -> None:
+def _report(args, names, diffs, times, shares, rows) -> None:
     tokens = args.batch * args.seq
     print(f"ep {EP} over gloo, one thread per rank, {torch.__version__}: {tokens} tokens a rank "
           f"({args.batch} x {args.seq}), dim {args.dim}, {args.experts} SwiGLU experts of {args.ffn}, "
@@ -228,6 +242,9 @@ def _report(args, names, diffs, times, shares) -> None:
         share_text = "n/a" if share != share else f"{share:.0%}"
         print(f"  {name:12s} {best * 1e3:8.1f} {median * 1e3:10.1f} {ours_best / best:15.2f} "
               f"{ours_median / median:17.2f} {share_text:>17s} {d_out:15.1e} {d_dx:14.1e}")
+    print(f"  rows through one rank's experts: parallel3d {rows[0]} (the routed ones, busier rank), "
+          f"DeepSpeed {rows[1]} (E x C, its dropless padding), of {args.batch * args.seq * args.top_k} "
+          f"assignments a rank")
 
 
 def _wait(queue, procs):
