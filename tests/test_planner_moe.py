@@ -99,6 +99,30 @@ def test_a_sparse_layer_saves_what_the_formula_says(moe, dtype):
     assert _saved_bytes(block, x) == tokens * moe_token_bytes(LlamaConfig(dim=d, moe=moe), act)
 
 
+def _saved_at_ep_2(d: int) -> int:
+    """This rank's saved bytes of one MoE block at ep 2 (the same block on both ranks,
+    each rank its own 4 x 128 tokens)."""
+    import torch.distributed as dist
+
+    from parallel3d.models.moe.parallelize import apply_expert_parallel
+
+    torch.manual_seed(0)
+    block = apply_expert_parallel(MoEBlock(MoEConfig(n_experts=8, top_k=2, ffn_dim=96, norm_topk_prob=True), d),
+                                  dist.group.WORLD)
+    torch.manual_seed(1 + dist.get_rank())
+    return _saved_bytes(block, torch.randn(4, 128, d, requires_grad=True))
+
+
+def test_a_sparse_layer_at_ep_2_saves_what_the_formula_says_over_the_expert_group(pools):
+    """Each rank saves the rows its experts received (more or fewer than it sent, as the
+    routing falls), so the formula holds for the group's sum: 2 x 512 tokens."""
+    d = 128
+    model = LlamaConfig(dim=d, moe=MoEConfig(n_experts=8, top_k=2, ffn_dim=96, norm_topk_prob=True))
+    saved = pools(2).run(_saved_at_ep_2, d)
+    assert sum(saved) == 2 * 512 * moe_token_bytes(model, 4, ep=2)
+    assert moe_token_bytes(model, 4, ep=2) - moe_token_bytes(model, 4) == 2 * 2 * 8  # two int64 per assignment
+
+
 # -- expert memory per rank ----------------------------------------------------------------------
 
 def _job(tp: int, pp: int, dp: int, ep: int, zero: int = 1):

@@ -30,6 +30,9 @@ ep 1, measured byte for byte in ``tests/test_planner_moe.py``)::
     k (a + 24)       the routing weight of each row, three int64 indices (the top-k
                      choice, the expert-major order, each row's token)
     k 4 + 4          with norm_topk_prob: the fp32 weights chosen and their sum
+    k 16             at ep > 1: the received rows' permutation to local-expert-major
+                     order and its inverse (int64; a rank's received rows are, summed
+                     over the expert group, the rows it sent: measured on 2 gloo ranks)
     4 a f_s          the shared experts' SwiGLU, likewise (+ a (d + 1) for its gate)
 
 The normed input of the block is counted with the layer (``memory.layer_activation_bytes``).
@@ -95,11 +98,12 @@ def expert_params(model, ep: int) -> int:
     return moe.n_experts // ep * 3 * model.dim * moe.ffn_dim
 
 
-def moe_token_bytes(model, act: int) -> int:
+def moe_token_bytes(model, act: int, ep: int = 1) -> int:
     """Bytes a sparse layer's MoE block saves per routed token (module docstring)."""
     moe, d = model.moe, model.dim
     renorm = 4 if moe.norm_topk_prob else 0
-    per_assignment = act * (3 * d + 4 * moe.ffn_dim + 1) + 3 * INDEX_BYTES + renorm
+    indices = 3 + (2 if ep > 1 else 0)
+    per_assignment = act * (3 * d + 4 * moe.ffn_dim + 1) + indices * INDEX_BYTES + renorm
     shared = 4 * act * moe.shared_ffn_dim + (act * (d + 1) if moe.shared_gate else 0)
     return 4 * moe.n_experts + moe.top_k * per_assignment + renorm + shared
 

@@ -182,7 +182,7 @@ def layer_activation_bytes(model, tokens: int, layout: Layout, act: int, recompu
             return tokens * (layer_in + act * (d + (q + 2 * kv) // tp) + moe_selective_bytes(model, act) // seq_shard)
         return tokens * (layer_in + act * (2 * d + (q + 2 * kv + 2 * f) // tp))
     if sparse:
-        full = 4 * layer_in + act * (2 * q + 2 * kv) // tp + moe_token_bytes(model, act) // seq_shard
+        full = 4 * layer_in + act * (2 * q + 2 * kv) // tp + moe_token_bytes(model, act, layout.ep) // seq_shard
     else:
         full = 4 * layer_in + act * (2 * q + 2 * kv + 3 * f) // tp
     return tokens * (full + small + cp_attention_extra(model, layout, act))
