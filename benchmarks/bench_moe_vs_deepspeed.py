@@ -11,7 +11,8 @@ rows, all-to-all of counts then rows), DeepSpeed's ``deepspeed.moe.layer.MoE`` w
 ``ep_size 2`` and parallel3d's ``SwiGLU`` as its expert (so each expert does the same
 FLOPs per row), and torchtitan's ``MoE`` with its ``AllToAllTokenDispatcher`` on a
 2-rank CPU mesh. Rounds alternate the sides (ABC, CBA, ...); a side's time in a round is
-its slowest rank's; best and median over ``--rounds``.
+its slowest rank's; best and median over ``--rounds``, and the median (with the range) of
+the per-round ratios ours / theirs, the two measured seconds apart.
 
 Routing is made equal where the options allow: softmax over the experts, top-2, the two
 weights renormalised to sum to 1 (``norm_topk_prob``; DeepSpeed's top-2 gate always does
@@ -235,13 +236,17 @@ def _report(args, names, diffs, times, shares, rows) -> None:
           f"top-{args.top_k}; forward + backward, {args.rounds} alternating rounds, slowest rank")
     ours_best, ours_median = min(times["parallel3d"]), statistics.median(times["parallel3d"])
     print(f"  {'layer':12s} {'best ms':>8s} {'median ms':>10s} {'ours/this best':>15s} {'ours/this median':>17s} "
-          f"{'all-to-all share':>17s} {'max |out diff|':>15s} {'max |dx diff|':>14s}")
+          f"{'per round: median [min, max]':>29s} {'all-to-all share':>17s} {'max |out diff|':>15s} "
+          f"{'max |dx diff|':>14s}")
     for name, (d_out, d_dx) in zip(names, diffs):
         best, median = min(times[name]), statistics.median(times[name])
+        # ours / this within each round (the two ran seconds apart): robust to the load drifting
+        per_round = [o / t for o, t in zip(times["parallel3d"], times[name])]
+        rounds_text = f"{statistics.median(per_round):.2f} [{min(per_round):.2f}, {max(per_round):.2f}]"
         share = statistics.median(shares[name])
         share_text = "n/a" if share != share else f"{share:.0%}"
         print(f"  {name:12s} {best * 1e3:8.1f} {median * 1e3:10.1f} {ours_best / best:15.2f} "
-              f"{ours_median / median:17.2f} {share_text:>17s} {d_out:15.1e} {d_dx:14.1e}")
+              f"{ours_median / median:17.2f} {rounds_text:>29s} {share_text:>17s} {d_out:15.1e} {d_dx:14.1e}")
     print(f"  rows through one rank's experts: parallel3d {rows[0]} (the routed ones, busier rank), "
           f"DeepSpeed {rows[1]} (E x C, its dropless padding), of {args.batch * args.seq * args.top_k} "
           f"assignments a rank")
