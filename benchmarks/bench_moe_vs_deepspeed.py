@@ -143,7 +143,7 @@ def _torchtitan_layer(args, ours: MoEBlock, rank: int):
     return layer
 
 
-def _expert_rows(counts: torch.Tensor, rank: int) -> tuple[int, int]:
+def _expert_rows(counts: torch.Tensor) -> tuple[int, int]:
     """Rows the experts of the busiest rank compute: ours, the routed ones arriving there;
     DeepSpeed's dropless buffer, E x C with C the largest count of any expert on any rank."""
     import torch.distributed as dist
@@ -201,7 +201,7 @@ def _worker(rank: int, store: str, args, queue) -> None:
         diffs[name] = [(out - reference).abs().max().item(), (x.grad - reference_grad).abs().max().item()]
     diffs = torch.tensor(list(diffs.values()))
     dist.all_reduce(diffs, op=dist.ReduceOp.MAX)
-    expert_rows = _expert_rows(ours.last_stats.tokens_per_expert, rank)
+    expert_rows = _expert_rows(ours.last_stats.tokens_per_expert)
 
     names = list(sides)
     times = {n: [] for n in names}
