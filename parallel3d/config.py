@@ -256,6 +256,22 @@ class AutopilotConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (``parallel3d/lora``): ``W x + (alpha / rank) B A x`` on the
+    ``targets`` projections, the base weights frozen. ``rank`` 0: off (every weight trains)."""
+
+    rank: int = 0  # r of A (r, in) and B (out, r); 0: no adapters
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
+    dropout: float = 0.0  # 0 only (a dropout on the adapters' input is not implemented)
+    # projections that get adapters, by their Hugging Face names (as PEFT's target_modules)
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # other weights that stay trainable: a name part of the parameter ("norm", "embed_tokens",
+    # "lm_head", "input_layernorm", ...)
+    trainable: list[str] = field(default_factory=list)
+    adapter: str = ""  # a PEFT adapter folder to start from (adapter_config.json + safetensors)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -268,6 +284,7 @@ class JobConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from parallel3d.checkpoint import Checkpointer
 from parallel3d.config import JobConfig
 from parallel3d.distributed import all_reduce, all_reduce_sum_max
+from parallel3d.lora import apply_lora, start_adapters_
 from parallel3d.models import model_family
 from parallel3d.observe.progress import ProgressBar, wants_bar
 from parallel3d.observe.sinks import Sinks
@@ -88,19 +89,22 @@ class Trainer:
         self.dtype = storage_dtype(cfg.train, self.device)
         family = model_family(cfg.model.family)  # models/<family>/: its model and its parallelize
         self.model, self.loss_fn = family.build_meta(self.model_cfg, topo, cfg.parallel)
+        apply_lora(self.model, cfg, topo)  # [lora]: adapters on the targets, the rest frozen (rank 0: no change)
         family.apply_recompute(self.model, cfg.train.recompute)
         self.timeline = Timeline(self.device, cfg.run.trace_steps)
         self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel, self.timeline, cfg.train, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
-        materialize_(self.model, self.device, self.dtype)  # anything the optimizer does not hold (none today)
+        materialize_(self.model, self.device, self.dtype)  # what the optimizer does not hold (LoRA: the frozen weights)
         # linear_backend "auto" on CUDA: rank 0 times Triton against cuBLAS per GEMM shape
         # and every rank adopts its table (collective; nothing to do on CPU or at tp 1).
         prepare_linear_backends(self.model, cfg.parallel, cfg.train, topo.tp, self.device)
         if not self.checkpointer.has_weights_to_load():
             family.initialize_(self.model, cfg.train.seed)
-        self.checkpointer.load_weights(self.model)
+        else:  # (only then: the checkpointer lays out the base model's names, not LoRA's adapters)
+            self.checkpointer.load_weights(self.model)
+        start_adapters_(self.model, cfg.lora, cfg.train.seed)  # seeded A, zero B, or a PEFT folder
         self.optimizer.take_masters()
         self.schedule = build_schedule(
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,

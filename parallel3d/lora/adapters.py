@@ -1,0 +1,121 @@
+"""Low-rank adapters on a linear layer, split the way the layer's weight is split.
+
+A frozen layer ``Y = X W^T`` gets ``Y = X W^T + s (X A^T) B^T``, ``A`` (r, in), ``B``
+(out, r), ``s = alpha / r`` (PEFT's LoRA). Over the p ranks of the tensor-parallel group:
+
+    column-parallel  W = [W_1; ..; W_p] by output rows (out/p, in) on rank k
+                     A whole (r, in) on every rank; B = [B_1; ..; B_p] (out/p, r)
+                     forward   H = X A^T (B, S, r)               no communication
+                               Y_k += s H B_k^T                  (B, S, out/p)
+                     backward  dH = sum_k s dY_k B_k             all-reduce of (B, S, r)
+                               dA = dH^T X, the same on every rank (not a partial sum)
+    row-parallel     W = [W_1 .. W_p] by input columns (out, in/p) on rank k
+                     A = [A_1 .. A_p] (r, in/p); B whole (out, r) on every rank
+                     forward   H = sum_k X_k A_k^T               all-reduce of (B, S, r)
+                               Y += s H B^T                      after Y's own all-reduce
+                     backward  nothing crosses the wire; dB the same on every rank
+    plain nn.Linear  (tp 1) A and B whole.
+
+The all-reduces carry r values per token, against ``in`` for the layer's own dX: the
+adapters add a small fraction to the wire. The replicated factor is marked so (``mark_replicated``: counted once in the global norm, no
+tp sum of its gradient); the split one carries the weight's ``p3d_tp_*`` split
+(``mark_sharded``), so checkpoints, the norm and ZeRO treat it as the weight's slice.
+
+The GEMMs go through ``tensor_parallel.split_backward.linear``: their weight gradients
+honour the zero-bubble B/W split and a ``main_grad``, as the layers' own weights do. A
+frozen base weight (``requires_grad=False``) gets no gradient there: its W does nothing.
+Sequence parallelism is not supported (the shared-input node hands the attention and MLP
+a stand-in input; :func:`~parallel3d.lora.apply.apply_lora` refuses the combination).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tp_region,
+                                        mark_replicated, reduce_from_tp_region)
+from parallel3d.tensor_parallel.layers import mark_sharded
+from parallel3d.tensor_parallel.split_backward import linear
+
+
+class LoraFactor(nn.Module):
+    """One adapter matrix as ``.weight`` (so its name is PEFT's ``...q_proj.lora_A.weight``),
+    ``x -> x W^T``; not an ``nn.Linear``, which ``split_weight_grads`` would rewrite. It is
+    called as a module (not its weight read by the layer) so that forward pre-hooks on it
+    run: ZeRO's wait for the all-gather of the bucket holding the updated weight."""
+
+    def __init__(self, rows: int, cols: int, backend: str = "auto", device=None, dtype=None):
+        super().__init__()
+        self.backend = backend
+        self.weight = nn.Parameter(torch.empty(rows, cols, device=device, dtype=dtype))
+        self.weight.p3d_lora = True  # an adapter factor (what the LoRA helpers look for)
+        self.weight.p3d_takes_main_grad = True  # its GEMM (split_backward.linear) honours one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, None, self.backend)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}"
+
+
+def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
+    y = base_forward(x)  # (B, S, out/p)
+    h = layer.lora_A(x)  # (B, S, r), the same on every rank
+    h = copy_to_tp_region(h, layer.group)  # backward: dH summed over the ranks' output rows
+    return y + layer.lora_B(h) * layer.lora_scaling  # (B, S, out/p)
+
+
+def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
+    y = base_forward(x)  # (B, S, out), reduced
+    h = layer.lora_A(x)  # (B, S, r), partial sum
+    h = reduce_from_tp_region(h, layer.group, inplace=True)  # h is ours: reduced in place
+    return y + layer.lora_B(h) * layer.lora_scaling  # (B, S, out)
+
+
+def _plain_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
+    return base_forward(x) + layer.lora_B(layer.lora_A(x)) * layer.lora_scaling
+
+
+def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int) -> None:
+    """Give ``layer`` (a ColumnParallelLinear, RowParallelLinear or, at tp 1, nn.Linear;
+    on any device, meta included) the adapters ``lora_A``, ``lora_B`` (uninitialised,
+    laid out as the module docstring says) and a forward that adds them."""
+    if hasattr(layer, "lora_A"):
+        raise ValueError("LoRA adapters already attached to this layer")
+    w = layer.weight
+    factory = {"device": w.device, "dtype": w.dtype, "backend": getattr(layer, "backend", "auto")}
+    if isinstance(layer, ColumnParallelLinear):
+        if layer.sequence_parallel or layer.gather_output:
+            raise ValueError("LoRA on a column-parallel layer needs sequence_parallel and gather_output off")
+        layer.lora_A = LoraFactor(rank, layer.in_features, **factory)
+        layer.lora_B = LoraFactor(w.shape[0], rank, **factory)
+        mark_replicated(layer.lora_A.weight, tp_rank, tp, partial_grad=False)
+        mark_sharded(layer.lora_B.weight, 0, w.p3d_tp_range, w.p3d_tp_full, tp_rank, w.p3d_tp_shared)
+        forward = _column_forward
+    elif isinstance(layer, RowParallelLinear):
+        if layer.sequence_parallel or not layer.input_is_parallel:
+            raise ValueError("LoRA on a row-parallel layer needs sequence_parallel off and input_is_parallel")
+        layer.lora_A = LoraFactor(rank, w.shape[1], **factory)
+        layer.lora_B = LoraFactor(layer.out_features, rank, **factory)
+        mark_sharded(layer.lora_A.weight, 1, w.p3d_tp_range, w.p3d_tp_full, tp_rank)
+        mark_replicated(layer.lora_B.weight, tp_rank, tp, partial_grad=False)
+        forward = _row_forward
+    elif type(layer) is nn.Linear:
+        if tp != 1:
+            raise ValueError("a plain nn.Linear gets adapters only at tp 1")
+        layer.lora_A = LoraFactor(rank, layer.in_features, **factory)
+        layer.lora_B = LoraFactor(layer.out_features, rank, **factory)
+        forward = _plain_forward
+    else:
+        raise ValueError(f"LoRA: no adapters for a {type(layer).__name__}")
+    layer.lora_scaling = alpha / rank
+    # the instance's forward as it stands (split_weight_grads may have replaced nn.Linear's)
+    layer.forward = partial(forward, layer, layer.forward)
+
+
+def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every adapter factor ``model`` holds, in order."""
+    return [(n, p) for n, p in model.named_parameters() if getattr(p, "p3d_lora", False)]

@@ -1,0 +1,123 @@
+"""LoRA on this rank's part of a model: adapters on the target projections, every other
+weight frozen unless ``lora.trainable`` names it.
+
+    apply_lora(model, job_cfg, topo)          # on the meta model, before the optimizer
+    ... optimizer (adapters + trainable only), materialize_, base init or load ...
+    start_adapters_(model, job_cfg.lora, seed)  # A seeded (or a PEFT folder), B zero
+
+``apply_lora`` takes the whole job because what it refuses spans sections (sequence
+parallelism, checkpoints, Hugging Face folders). The frozen weights keep
+``requires_grad=False``: the optimizer (which takes only parameters that train) gives
+them no gradient buffer, no fp32 master and no Adam state; the trainer allocates them in
+the storage dtype after the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from parallel3d.errors import UserError, did_you_mean
+from parallel3d.tensor_parallel.init import counter_normal_
+
+from .adapters import adapter_parameters, attach
+from .peft_io import load_adapter_
+
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# what lora.trainable may name: parts of parameter names
+TRAINABLE = ("embed_tokens", "lm_head", "norm", "input_layernorm", "post_attention_layernorm",
+             "q_norm", "k_norm", *TARGETS)
+
+
+def lora_problems(cfg) -> list[str]:
+    """Every reason the job ``cfg`` (a JobConfig) cannot run LoRA, each saying what to change."""
+    lora, out = cfg.lora, []
+    if lora.rank < 0:
+        out.append(f"lora.rank {lora.rank} is negative: 0 (off) or the adapters' rank")
+    if lora.rank == 0:
+        return out
+    if lora.alpha <= 0:
+        out.append(f"lora.alpha {lora.alpha} must be positive (the adapters' output is scaled by alpha / rank)")
+    if lora.dropout != 0:
+        out.append(f"lora.dropout {lora.dropout}: only 0 is implemented; set lora.dropout=0")
+    for t in lora.targets:
+        if t not in TARGETS:
+            out.append(f"lora.targets: unknown projection {t!r}{did_you_mean(t, TARGETS)}; one of {', '.join(TARGETS)}")
+    if not lora.targets:
+        out.append("lora.targets is empty: name the projections that get adapters (q_proj, v_proj, ...)")
+    for t in lora.trainable:
+        if t not in TRAINABLE:
+            out.append(f"lora.trainable: unknown weight {t!r}{did_you_mean(t, TRAINABLE)}; one of {', '.join(TRAINABLE)}")
+    if cfg.parallel.sequence_parallel:
+        out.append("LoRA with parallel.sequence_parallel is not implemented: set parallel.sequence_parallel=false")
+    # The checkpointer lays out every parameter by the base model's names: adapters are
+    # not among them yet (parallel3d/checkpoint/state.py param_placements).
+    if cfg.model.hf_checkpoint:
+        out.append("LoRA on model.hf_checkpoint is not implemented yet (the checkpointer does not "
+                   "know adapter parameters): train from the seeded init, or set lora.rank=0")
+    if cfg.checkpoint.interval > 0 or cfg.checkpoint.export_hf:
+        out.append("LoRA with checkpoints or export_hf is not implemented yet: set checkpoint.interval=0 "
+                   "and checkpoint.export_hf=\"\"")
+    return out
+
+
+def _model_cfg(model):
+    return model.cfg if hasattr(model, "cfg") else model.pipeline_chunks[0].cfg
+
+
+def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
+    """Attach adapters to the ``cfg.lora.targets`` projections of every decoder layer
+    ``model`` (a Llama or a PipelineStage, after parallelize, usually on meta) holds and
+    freeze every parameter but the adapters and those ``cfg.lora.trainable`` names.
+    ``cfg.lora.rank`` 0: nothing changes. Raises :class:`UserError` naming what to change."""
+    lora = cfg.lora
+    problems = lora_problems(cfg)
+    if problems:
+        raise UserError("; ".join(problems))
+    if lora.rank == 0:
+        return model
+    for key, layer in model.layers.items():
+        for target in lora.targets:
+            owner = layer.self_attn if target in ATTENTION_TARGETS else layer.mlp
+            proj = getattr(owner, target, None)
+            if not isinstance(proj, torch.nn.Module):
+                raise UserError(f"LoRA: layer {key} has no {target} (MoE experts take no adapters yet): "
+                                f"drop {target} from lora.targets")
+            attach(proj, lora.rank, lora.alpha, topo.tp, topo.tp_rank)
+    trainable = set(lora.trainable)
+    if _model_cfg(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
+        trainable |= {"embed_tokens", "lm_head"}  # one tensor, whichever stage holds it
+    for name, p in model.named_parameters():
+        p.requires_grad_(bool(getattr(p, "p3d_lora", False)) or bool(trainable & set(name.split("."))))
+    return model
+
+
+@torch.no_grad()
+def init_adapters_(model: torch.nn.Module, seed: int) -> None:
+    """``A`` from the counter-based init keyed by its name (the same values at any
+    layout), N(0, 1/(3 in)): the variance of PEFT's kaiming-uniform (a = sqrt 5, bound
+    1/sqrt(in)); ``B`` zero, as PEFT starts (the adapted model equals the base)."""
+    for name, p in adapter_parameters(model):
+        if name.endswith("lora_B.weight"):
+            p.zero_()
+            continue
+        dim = getattr(p, "p3d_tp_dim", None)
+        full, start = list(p.shape), 0
+        if dim is not None:
+            full[dim], start = p.p3d_tp_full, p.p3d_tp_range[0]
+        counter_normal_(p, 1.0 / math.sqrt(3 * full[1]), seed=seed, name=name,
+                        full_shape=full, dim=dim, start=start)
+
+
+def start_adapters_(model: torch.nn.Module, lora, seed: int) -> None:
+    """Fill the adapters (after the base weights are in place, before the optimizer takes
+    its masters): from ``lora.adapter`` (a PEFT folder, this rank's slices) or seeded."""
+    if lora.rank == 0:
+        return
+    if lora.adapter:
+        load_adapter_(model, lora)
+    else:
+        init_adapters_(model, seed)

@@ -1,0 +1,177 @@
+"""LoRA (``parallel3d/lora``): adapters from a PEFT folder made by ``peft`` itself give
+peft's logits and loss; LoRA trains with one process's per-step losses at every layout
+(fp32, 1e-5, the parity bar of every layout test), the base weights untouched bit for
+bit; the optimizer holds state for the adapters only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel3d.config import config_from_dict
+from parallel3d.errors import UserError
+from parallel3d.topology import Topology
+from parallel3d.train.trainer import Trainer
+from parallel3d.zero.buckets import SHARD_ALIGN
+
+from helpers import relative_diff, tiny_job
+
+STEPS = 8
+RANK = 4
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# tiny_job's model: dim 64, 4 heads of 16, 2 kv-heads, ffn 160, 2 layers
+DIM, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 160, 2
+
+
+def _job(corpus_dir, run_dir, **parallel) -> dict:
+    return tiny_job(corpus_dir, run_dir, train={"steps": STEPS, "lr": 2e-2}, parallel=parallel,
+                    lora={"rank": RANK, "alpha": 8.0, "targets": TARGETS})
+
+
+def _train(job: dict) -> dict:
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology.of(cfg.parallel))
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    history = trainer.fit()
+    opt = trainer.optimizer
+    parts = getattr(opt, "parts", (opt,))
+    params = dict(trainer.model.named_parameters())
+    return {"losses": [h["loss"] for h in history],
+            "frozen_unchanged": all(torch.equal(params[n], t) for n, t in frozen.items()),
+            "frozen": len(frozen),
+            "frozen_with_grad": sum(params[n].grad is not None for n in frozen),
+            "trainable": sorted(n for n, p in params.items() if p.requires_grad),
+            "adapter_numel": sum(p.numel() for p in params.values() if p.requires_grad),
+            "state_numel": sum(t.numel() for part in parts for t in part.memory_tensors()["optimizer_state"]),
+            "layers": sorted({n.split(".")[1] for n in params if n.startswith("layers.")})}
+
+
+def _adapter_numel(tp: int, layers: int) -> int:
+    """This rank's adapter elements, from the split rule: column-parallel layers hold A
+    (r, in) whole and rows of B; row-parallel ones columns of A and B (out, r) whole."""
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    column = sum(RANK * DIM + out // tp * RANK for out in (q, kv, kv, FFN, FFN))  # q k v gate up
+    row = RANK * q // tp + DIM * RANK + RANK * FFN // tp + DIM * RANK  # o, down
+    return layers * (column + row)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus_dir, tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_lora_trains_only_the_adapters(reference, corpus_dir, tmp_path):
+    """Every weight but the adapters frozen, untouched and without gradients; Adam's two
+    moments for the adapters only; the losses move (B starts at zero, so step 1 is the
+    base model's loss, and the adapters learn)."""
+    got = reference
+    assert got["frozen_unchanged"] and got["frozen"] > 0 and got["frozen_with_grad"] == 0
+    assert all(n.endswith(("lora_A.weight", "lora_B.weight")) for n in got["trainable"])
+    assert len(got["trainable"]) == 2 * len(TARGETS) * LAYERS
+    assert got["adapter_numel"] == _adapter_numel(1, LAYERS)
+    assert got["state_numel"] == 2 * SHARD_ALIGN * -(-got["adapter_numel"] // SHARD_ALIGN)
+    assert got["losses"][-1] < got["losses"][0] - 0.05, got["losses"]
+    # the same job without LoRA trains every weight: a different run
+    job = _job(corpus_dir, str(tmp_path))
+    job["lora"]["rank"] = 0
+    full = _train(job)
+    assert full["losses"][0] == pytest.approx(got["losses"][0], rel=1e-6)  # B = 0: the base model
+    assert relative_diff(full["losses"], got["losses"]) > 1e-3
+
+
+@pytest.mark.parametrize("parallel", [
+    {"tp": 2},
+    {"pp": 2, "schedule": "1f1b"},
+    {"pp": 2, "schedule": "zb-h1"},
+    {"dp": 2, "zero": 2},
+    {"tp": 2, "pp": 2, "dp": 2, "zero": 2, "schedule": "zb-h1"},
+    {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
+], ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
+def test_lora_trains_as_one_process(pools, corpus_dir, tmp_path, reference, parallel):
+    parallel = {"tp": 1, "pp": 1, "dp": 1, **parallel}
+    world = parallel["tp"] * parallel["pp"] * parallel["dp"]
+    ranks = pools(world).run(_train, _job(corpus_dir, str(tmp_path), **parallel))
+    for got in ranks:
+        assert relative_diff(got["losses"], reference["losses"]) < 1e-5, (got["losses"], reference["losses"])
+        assert got["frozen_unchanged"] and got["frozen_with_grad"] == 0
+        layers = len(got["layers"])
+        assert layers == LAYERS // parallel["pp"]
+        assert got["adapter_numel"] == _adapter_numel(parallel["tp"], layers)
+        # Adam's two moments of this rank's adapters, one bucket sharded over dp under ZeRO
+        shards = parallel["dp"] if parallel.get("zero", 0) else 1
+        assert got["state_numel"] == 2 * SHARD_ALIGN * -(-got["adapter_numel"] // (shards * SHARD_ALIGN))
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"lora": {"rank": 4, "dropout": 0.1}}, "lora.dropout"),
+    ({"lora": {"rank": 4, "targets": ["q_prj"]}}, "did you mean 'q_proj'"),
+    ({"lora": {"rank": 4, "trainable": ["norms"]}}, "did you mean 'norm'"),
+    ({"lora": {"rank": 4}, "parallel": {"tp": 2, "sequence_parallel": True}}, "sequence_parallel=false"),
+])
+def test_bad_lora_settings_say_what_to_change(change, says):
+    from parallel3d.lora import lora_problems
+
+    job = tiny_job("", "")
+    for section, keys in change.items():
+        job.setdefault(section, {}).update(keys)
+    problems = lora_problems(config_from_dict(job))
+    assert any(says in p for p in problems), problems
+
+
+def test_peft_adapter_gives_peft_logits_and_loss(tmp_path):
+    """A PEFT folder made by ``peft`` (``init_lora_weights=False``: B is not zero) on a
+    transformers Llama; parallel3d's model with the same base weights and ``lora.adapter``
+    gives peft's logits and loss (fp32, 1e-5)."""
+    peft = pytest.importorskip("peft")
+    import transformers
+
+    from parallel3d.lora import apply_lora, start_adapters_
+    from parallel3d.models.llama.hf import config_to_hf, name_from_hf
+    from parallel3d.models.llama.sharded_init import build_sharded_llama
+    from parallel3d.train.setup import resolve_model_config
+
+    job = config_from_dict(tiny_job("", str(tmp_path), lora={"rank": RANK, "alpha": 8.0, "targets": TARGETS,
+                                                            "adapter": str(tmp_path / "adapter")}))
+    model_cfg = resolve_model_config(job.model)
+    hf_cfg = transformers.LlamaConfig(**config_to_hf(model_cfg))
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(hf_cfg)
+    base_state = {name_from_hf(k): v.clone() for k, v in base.state_dict().items()}
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=TARGETS,
+                                                        lora_dropout=0.0, init_lora_weights=False))
+    wrapped.save_pretrained(str(tmp_path / "adapter"))
+    wrapped.eval()
+
+    topo = Topology.of(job.parallel, rank=0, world_size=1, create_groups=False)
+    model, loss_fn = build_sharded_llama(model_cfg, topo, job.parallel, seed=None)
+    model.load_state_dict(base_state, strict=True)
+    apply_lora(model, job, topo)
+    start_adapters_(model, job.lora, seed=1)
+
+    tokens = torch.randint(0, model_cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = wrapped(input_ids=tokens, labels=tokens)
+        logits = model(tokens)
+        loss = loss_fn(logits[:, :-1].contiguous(), tokens[:, 1:])  # on a copy of the logits
+    torch.testing.assert_close(logits, want.logits, rtol=1e-5, atol=1e-5)
+    assert float(loss) == pytest.approx(float(want.loss), rel=1e-5)
+    # the adapters matter here: the base model's logits are elsewhere
+    with wrapped.disable_adapter(), torch.no_grad():
+        assert (wrapped(input_ids=tokens).logits - want.logits).abs().max() > 1e-3
+
+
+def test_an_adapter_of_another_rank_says_what_to_change(tmp_path):
+    import json
+
+    from parallel3d.lora.peft_io import check_adapter_config
+
+    job = config_from_dict(tiny_job("", "", lora={"rank": 8, "targets": ["q_proj", "v_proj"]}))
+    with pytest.raises(UserError, match="set lora.rank=4"):
+        check_adapter_config(json.loads(json.dumps({"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})),
+                             job.lora, tmp_path)
