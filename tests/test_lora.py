@@ -126,34 +126,88 @@ def test_bad_lora_settings_say_what_to_change(change, says):
     assert any(says in p for p in problems), problems
 
 
+def _make_peft_adapter(folder, model_cfg):
+    """A transformers Llama (seeded) and a peft LoRA on it with non-zero B, saved under
+    ``folder`` (``base/`` and ``adapter/``); returns peft's model, in eval mode."""
+    import peft
+    import transformers
+
+    from parallel3d.models.llama.hf import config_to_hf
+
+    hf_cfg = transformers.LlamaConfig(**config_to_hf(model_cfg))
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(hf_cfg)
+    base.save_pretrained(str(folder / "base"))
+    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=TARGETS,
+                                                        lora_dropout=0.0, init_lora_weights=False))
+    wrapped.save_pretrained(str(folder / "adapter"))
+    return wrapped.eval()
+
+
+def _lora_logits(job: dict, base_folder: str, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's logits (its vocabulary columns) and their first column, from the base
+    weights of ``base_folder`` split by ``parallelize_llama`` and ``lora.adapter`` read by
+    slices."""
+    from safetensors.torch import load_file
+
+    from parallel3d.lora import apply_lora, start_adapters_
+    from parallel3d.models.llama.hf import name_from_hf
+    from parallel3d.models.llama.model import Llama
+    from parallel3d.models.llama.parallelize import parallelize_llama
+    from parallel3d.train.setup import resolve_model_config
+
+    cfg = config_from_dict(job)
+    topo = Topology.of(cfg.parallel)
+    model = Llama(resolve_model_config(cfg.model))
+    state = load_file(f"{base_folder}/model.safetensors")
+    model.load_state_dict({name_from_hf(k): v for k, v in state.items()}, strict=True)
+    model, _ = parallelize_llama(model, topo, cfg.parallel)
+    apply_lora(model, cfg, topo)
+    start_adapters_(model, cfg.lora, seed=1)
+    with torch.no_grad():
+        logits = model(tokens)
+    return logits, topo.tp_rank * logits.shape[-1]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_peft_adapter_loads_by_slices_at_tp(pools, tmp_path, tp):
+    """At tp 2 (kv-heads split) and tp 4 (each of the 2 kv-heads replicated on 2 ranks),
+    every rank's vocabulary columns of the logits equal peft's (fp32, 1e-5)."""
+    pytest.importorskip("peft")
+    from parallel3d.train.setup import resolve_model_config
+
+    job = tiny_job("", str(tmp_path), parallel={"tp": tp},
+                   lora={"rank": RANK, "alpha": 8.0, "targets": TARGETS, "adapter": str(tmp_path / "adapter")})
+    wrapped = _make_peft_adapter(tmp_path, resolve_model_config(config_from_dict(job).model))
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = wrapped(input_ids=tokens).logits
+    for logits, start in pools(tp).run(_lora_logits, job, str(tmp_path / "base"), tokens):
+        torch.testing.assert_close(logits, want[..., start:start + logits.shape[-1]], rtol=1e-5, atol=1e-5)
+
+
 def test_peft_adapter_gives_peft_logits_and_loss(tmp_path):
     """A PEFT folder made by ``peft`` (``init_lora_weights=False``: B is not zero) on a
     transformers Llama; parallel3d's model with the same base weights and ``lora.adapter``
     gives peft's logits and loss (fp32, 1e-5)."""
-    peft = pytest.importorskip("peft")
-    import transformers
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
 
     from parallel3d.lora import apply_lora, start_adapters_
-    from parallel3d.models.llama.hf import config_to_hf, name_from_hf
+    from parallel3d.models.llama.hf import name_from_hf
     from parallel3d.models.llama.sharded_init import build_sharded_llama
     from parallel3d.train.setup import resolve_model_config
 
     job = config_from_dict(tiny_job("", str(tmp_path), lora={"rank": RANK, "alpha": 8.0, "targets": TARGETS,
                                                             "adapter": str(tmp_path / "adapter")}))
     model_cfg = resolve_model_config(job.model)
-    hf_cfg = transformers.LlamaConfig(**config_to_hf(model_cfg))
-    hf_cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(hf_cfg)
-    base_state = {name_from_hf(k): v.clone() for k, v in base.state_dict().items()}
-    wrapped = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=8, target_modules=TARGETS,
-                                                        lora_dropout=0.0, init_lora_weights=False))
-    wrapped.save_pretrained(str(tmp_path / "adapter"))
-    wrapped.eval()
+    wrapped = _make_peft_adapter(tmp_path, model_cfg)
 
     topo = Topology.of(job.parallel, rank=0, world_size=1, create_groups=False)
-    model, loss_fn = build_sharded_llama(model_cfg, topo, job.parallel, seed=None)
-    model.load_state_dict(base_state, strict=True)
+    model, loss_fn = build_sharded_llama(model_cfg, topo, job.parallel, seed=None)  # the trainer's build
+    state = load_file(str(tmp_path / "base" / "model.safetensors"))
+    model.load_state_dict({name_from_hf(k): v for k, v in state.items()}, strict=True)
     apply_lora(model, job, topo)
     start_adapters_(model, job.lora, seed=1)
 
