@@ -232,3 +232,75 @@ def test_an_adapter_of_another_rank_says_what_to_change(tmp_path):
     with pytest.raises(UserError, match="set lora.rank=4"):
         check_adapter_config(json.loads(json.dumps({"r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})),
                              job.lora, tmp_path)
+
+
+def _train_and_export(job: dict, folder: str) -> list[float]:
+    from parallel3d.checkpoint.peft import export_peft
+
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology.of(cfg.parallel))
+    losses = [h["loss"] for h in trainer.fit()]
+    export_peft(trainer.model, cfg.lora, folder, trainer.topo, optimizer=trainer.optimizer)
+    return losses
+
+
+def _hf_base(job: dict):
+    """The transformers Llama with the seeded base weights of ``job`` (the same at any
+    layout: the counter-based init), built whole in this process."""
+    import transformers
+
+    from parallel3d.models.llama.hf import config_to_hf, name_to_hf
+    from parallel3d.models.llama.sharded_init import build_sharded_llama
+    from parallel3d.train.setup import resolve_model_config
+
+    cfg = config_from_dict(job)
+    model_cfg = resolve_model_config(cfg.model)
+    one = Topology.of(cfg.parallel, rank=0, world_size=1, create_groups=False)
+    model, _ = build_sharded_llama(model_cfg, one, cfg.parallel, seed=cfg.train.seed)
+    hf_cfg = transformers.LlamaConfig(**config_to_hf(model_cfg))
+    hf_cfg._attn_implementation = "sdpa"
+    hf = transformers.LlamaForCausalLM(hf_cfg)
+    hf.load_state_dict({name_to_hf(n): t for n, t in model.state_dict().items()}, strict=True)
+    return hf.eval()
+
+
+def test_exported_adapter_gives_the_trained_logits_in_peft(corpus_dir, tmp_path):
+    """After training, ``export_peft``'s folder loaded by peft onto the base gives
+    parallel3d's logits (fp32, 1e-5)."""
+    peft = pytest.importorskip("peft")
+    from parallel3d.checkpoint.peft import export_peft
+
+    job = _job(corpus_dir, str(tmp_path))
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology.of(cfg.parallel))
+    trainer.fit()
+    export_peft(trainer.model, cfg.lora, tmp_path / "adapter", trainer.topo, optimizer=trainer.optimizer)
+    tuned = peft.PeftModel.from_pretrained(_hf_base(job), str(tmp_path / "adapter")).eval()
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = trainer.model(tokens)
+        got = tuned(input_ids=tokens).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with tuned.disable_adapter(), torch.no_grad():  # the trained adapters matter
+        assert (tuned(input_ids=tokens).logits - want).abs().max() > 1e-3
+
+
+def test_export_gathers_every_rank_at_2x2x2(pools, corpus_dir, tmp_path):
+    """tp 2 x pp 2 x dp 2 (ZeRO 2, zb-h1): rank 0 assembles every stage's and tp rank's
+    blocks; the folder holds the one-process run's adapters (per tensor within
+    WEIGHT_RTOL: AdamW's amplification of ulp-level gradient differences) and its losses."""
+    from safetensors.torch import load_file
+
+    from helpers import WEIGHT_RTOL
+
+    par = {"tp": 2, "pp": 2, "dp": 2, "zero": 2, "schedule": "zb-h1"}
+    one = _train_and_export(_job(corpus_dir, str(tmp_path / "one")), str(tmp_path / "one_adapter"))
+    ranks = pools(8).run(_train_and_export, _job(corpus_dir, str(tmp_path / "many"), **par),
+                         str(tmp_path / "many_adapter"))
+    assert relative_diff(ranks[0], one) < 1e-5
+    want = load_file(str(tmp_path / "one_adapter" / "adapter_model.safetensors"))
+    got = load_file(str(tmp_path / "many_adapter" / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(want) and len(got) == 2 * len(TARGETS) * LAYERS
+    for key, t in want.items():
+        assert got[key].shape == t.shape, key
+        assert float((got[key] - t).norm() / t.norm()) < WEIGHT_RTOL, key
