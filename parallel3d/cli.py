@@ -87,7 +87,8 @@ def _banner(cfg, model, world: int, backend: str, facts=None) -> list[str]:
 
     par = cfg.parallel
     split = layer_split(model, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
-    data = f"prepared dataset {cfg.data.path}" if cfg.data.path else describe(cfg.data)
+    data = (f"prepared dataset {cfg.data.path}" if cfg.data.path and not cfg.data.blend
+            else describe(cfg.data))
     if facts is not None:
         data += f"; {data_use(facts, cfg)}"
     return banner(cfg, model, world, split, backend, resolved_config(cfg).train.dtype, data)

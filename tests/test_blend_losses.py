@@ -81,3 +81,36 @@ def test_the_report_draws_and_names_each_sources_losses():
     text = summary(records)
     assert "source web: loss 2.1000 at step 20, val-loss 3.0000 at step 20" in text
     assert "source math: loss 1.5000 at step 20" in text
+
+
+def _source_records(job: dict) -> list[dict]:
+    from parallel3d.topology import Topology
+    from parallel3d.train.trainer import Trainer
+
+    cfg = config_from_dict(job)
+    return Trainer(cfg, Topology.of(cfg.parallel)).fit()
+
+
+def test_training_records_each_sources_loss_and_tokens_at_1x1x1_and_2x2x2(pools, sources, tmp_path):  # noqa: F811
+    """Each step's record has loss/<name> and tokens/<name>; weighted by the tokens they give
+    the step loss; the held-out loss of each source at every evaluation; the same figures
+    at tp 2 x pp 2 x dp 2 (the last stage's tp rank 0 counts, dp ranks summed)."""
+    from helpers import relative_diff
+
+    job = _job(sources, tmp_path, train={"steps": 4, "global_batch": 8, "micro_batch": 2},
+               eval={"interval": 2, "batches": 1})  # the smallest validation split holds 12 windows
+    one = _source_records(job)
+    names = sorted(k.split("/", 1)[1] for k in one[0] if k.startswith("tokens/"))
+    assert len(names) == 3
+    for r in one:
+        assert sum(r[f"tokens/{n}"] for n in names) > 0
+        assert weighted_step_loss(r, names) == pytest.approx(r["loss"], rel=RTOL)
+    assert all(f"val_loss/{n}" in one[1] and f"val_loss/{n}" in one[3] for n in names)
+    ranks = pools(8).run(_source_records, {**job, "parallel": {"tp": 2, "pp": 2, "dp": 2},
+                                           "run": {"dir": str(tmp_path / "3d")}})
+    keys = [k for k in one[-1] if k.startswith(("loss/", "tokens/", "val_loss/"))]
+    for records in ranks:
+        for got, want in zip(records, one):
+            assert all(got[f"tokens/{n}"] == want[f"tokens/{n}"] for n in names)
+            common = [k for k in keys if k in want]
+            assert relative_diff([got[k] for k in common], [want[k] for k in common]) < 1e-5

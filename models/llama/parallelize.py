@@ -86,12 +86,15 @@ class VocabParallelLoss:
     def __init__(self, vocab_size: int, tp_rank: int, tp: int, group, inplace: bool = False):
         self.vocab_size, self.group, self.inplace = vocab_size, group, inplace
         self.vocab_start = tp_rank * (padded_size(vocab_size, tp) // tp)
+        self.per_source = None  # a SourceLossSums while training on a data.blend (the trainer's)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor,
-                 divisor: float | None = None) -> torch.Tensor:
+                 divisor: float | None = None, sources: torch.Tensor | None = None) -> torch.Tensor:
         loss = vocab_parallel_cross_entropy(logits, targets, vocab_start=self.vocab_start,
                                             vocab_size=self.vocab_size, group=self.group,
                                             ignore_index=IGNORE_INDEX, inplace=self.inplace)
+        if sources is not None and self.per_source is not None:
+            self.per_source.add(loss, sources)  # (B, S) per-token losses, detached inside
         if divisor is not None:
             return loss.sum() / divisor
         return loss.sum() / (targets != IGNORE_INDEX).sum()

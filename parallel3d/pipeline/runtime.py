@@ -60,9 +60,15 @@ def _parts(mb) -> tuple[torch.Tensor, torch.Tensor, dict, float | None]:
     return mb.inputs, mb.targets, mb.chunk_kwargs(), mb.loss_divisor
 
 
-def _micro_batch_loss(loss_fn, out, targets, divisor: float | None, n_micro: int) -> torch.Tensor:
+def _micro_batch_loss(loss_fn, out, targets, divisor: float | None, n_micro: int,
+                      sources: torch.Tensor | None = None) -> torch.Tensor:
     """One micro-batch's share of the step's loss: its mean over the number of
-    micro-batches, or (masked data) its sum over the divisor the batch carries."""
+    micro-batches, or (masked data) its sum over the divisor the batch carries. ``sources``
+    (a data.blend's rows): a loss function keeping per-source sums (``per_source``) gets them."""
+    if sources is not None and getattr(loss_fn, "per_source", None) is not None:
+        if divisor is None:
+            return loss_fn(out, targets, sources=sources) / n_micro
+        return loss_fn(out, targets, divisor, sources=sources)
     if divisor is None:
         return loss_fn(out, targets) / n_micro
     return loss_fn(out, targets, divisor)
@@ -244,7 +250,8 @@ class PipelineSchedule:
             if last:
                 # The mean over micro-batches, as the unsplit model: each loss / m (or,
                 # masked, each sum / the global batch's supervised tokens over dp).
-                out = _micro_batch_loss(self.loss_fn, out, targets, divisor, len(st.micro_batches))
+                out = _micro_batch_loss(self.loss_fn, out, targets, divisor, len(st.micro_batches),
+                                        getattr(st.micro_batches[a.mb], "sources", None))
                 st.loss += out.detach().float()
         for msg in outputs_of(a, self.owners):
             (st.inbox if msg.local else st.outbox)[("act", a.chunk, a.mb)] = out.detach()

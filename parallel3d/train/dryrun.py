@@ -359,7 +359,7 @@ def check_start(cfg: JobConfig, model_cfg, out=print):
 
     check_paths(cfg)
     check_checkpoint_options(cfg.checkpoint)
-    if not cfg.data.path and not (cache_path(cfg.data) / INDEX).is_file():
+    if not cfg.data.path and not cfg.data.blend and not (cache_path(cfg.data) / INDEX).is_file():
         out(f"data: the stdlib corpus is not built yet ({cache_path(cfg.data)}): the run builds it "
             "and checks its splits then")
         return None

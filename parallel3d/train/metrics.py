@@ -45,6 +45,9 @@ def _extras(record: dict, data_wait_s: float) -> str:
         out += f"  val_loss {record['val_loss']:.4f}"
     if "mfu" in record:
         out += f"  MFU {record['mfu'] * 100:.1f}%"
+    per_source = [(k.split("/", 1)[1], v) for k, v in record.items() if k.startswith("loss/")]
+    if per_source:  # a data.blend: each source's loss
+        out += "  " + " ".join(f"{name} {v:.3f}" for name, v in per_source)
     if "expert_imbalance" in record:  # a Mixture-of-Experts model
         out += f"  aux {record['aux_loss']:.4f}  experts max/mean {record['expert_imbalance']:.2f}"
         if record.get("dropped_tokens"):

@@ -99,13 +99,13 @@ def check_data_source(cfg: JobConfig) -> None:
     (data.path is required: a fine-tuning run must not fall back to the demo corpus, whose
     ids mean nothing to a pretrained model)."""
     data = cfg.data
-    if data.source == "prepared" and not data.path:
+    if data.source == "prepared" and not data.path and not data.blend:
         tokenizer = cfg.model.hf_checkpoint or "MODEL_DIR"
         raise UserError(f"data.source 'prepared' needs data.path: make a dataset with `parallel3d "
                         f"prepare-data INPUTS --tokenizer {tokenizer} --out DATA_DIR` and pass "
                         "--data.path=DATA_DIR")
     default = DataConfig.val_fraction
-    if data.path and data.val_fraction != default:
+    if (data.path or data.blend) and data.val_fraction != default:
         raise UserError(f"data.val_fraction {data.val_fraction} does not apply to a prepared dataset "
                         f"(data.path '{data.path}'), whose validation split prepare-data fixed: drop "
                         f"data.val_fraction, or prepare the data again with --val-fraction {data.val_fraction}")

@@ -42,6 +42,8 @@ import torch.distributed as dist
 
 from parallel3d.checkpoint import Checkpointer
 from parallel3d.config import JobConfig
+from parallel3d.data.batch import IGNORE_INDEX
+from parallel3d.data.source_loss import SourceLossSums, source_figures
 from parallel3d.distributed import all_reduce, all_reduce_sum_max
 from parallel3d.lora import apply_lora, start_adapters_
 from parallel3d.models import model_family
@@ -111,6 +113,11 @@ class Trainer:
             activation_shape=family.activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
                                               topo.tp, cfg.parallel.sequence_parallel, topo.cp),
             autocast=autocast_for(cfg.train, self.device), timeline=self.timeline, watch=self.watch)
+        # data.blend: each source's loss sums and supervised tokens per step (loss/<name>)
+        self.source_names = self.data.source_names
+        self.source_sums = SourceLossSums(len(self.source_names), self.device) if self.source_names else None
+        if self.source_sums is not None and hasattr(self.loss_fn, "per_source"):
+            self.loss_fn.per_source = self.source_sums
         self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
                                      global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
         self.step_hooks: list = []
@@ -177,10 +184,11 @@ class Trainer:
             hook(self)
         # MoE: the step's expert counts summed over the replicas, the selection biases moved
         moe_parts = self.moe.finish_step() if self.moe is not None else None
+        source_part = self._source_part(micro_batches) if self.source_sums is not None else None
         with timeline.span("optimizer", "optimizer"):
             self.watch.enter("gradient sync", "dp")
             norm_share = self.optimizer.reduce_gradients()
-            grad_norm, loss = self._step_sums(norm_share, loss_part, moe_parts)
+            grad_norm, loss = self._step_sums(norm_share, loss_part, moe_parts, source_part)
             self.optimizer.apply(lr, grad_norm, skip=not math.isfinite(loss))
             self.wait_for_issued_work()  # the step's time includes its optimizer
         dt = time.perf_counter() - t0
@@ -194,10 +202,30 @@ class Trainer:
         self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0, cpu))
         if moe_parts is not None:
             record.update(self.moe.record(moe_parts, dt))
+        if source_part is not None:
+            k = len(self.source_names)
+            sums, tokens = source_part[:k].tolist(), [int(round(t)) for t in source_part[k:].tolist()]
+            record.update(source_figures(self.source_names, sums, tokens))
         record.update(self._check_numbers(loss, grad_norm))
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
+
+    def _source_part(self, micro_batches) -> torch.Tensor:
+        """This rank's part of the step's per-source figures: (2K,) fp64, the K sources'
+        summed token losses then their supervised tokens; counted where the loss is (the
+        last stage, tp rank 0: the other tp ranks hold the same loss), zero elsewhere."""
+        sums = self.source_sums.take()
+        k = len(self.source_names)
+        tokens = torch.zeros(k, dtype=torch.float64, device=self.device)
+        counts = self.topo.is_last_stage and self.topo.tp_rank == 0
+        if counts:
+            for mb in micro_batches:
+                rows = (mb.targets != IGNORE_INDEX).sum(dim=1).to(device=self.device, dtype=torch.float64)
+                tokens.index_add_(0, mb.sources.to(self.device), rows)
+        else:
+            sums.zero_()
+        return torch.cat([sums, tokens])
 
     def wait_for_issued_work(self) -> None:
         """Return when the device has done the work this step issued on the current stream
@@ -217,7 +245,7 @@ class Trainer:
             done.synchronize()
 
     def _step_sums(self, norm_share: torch.Tensor, loss_part: torch.Tensor,
-                   extra: dict | None = None) -> tuple[torch.Tensor, float]:
+                   extra: dict | None = None, sources: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
         """The step's one collective: over the world, the sum of this rank's share of the
         squared gradient norm, of its share of the loss (the last stage's loss on its first
         tp rank; the dp x cp ranks' losses average: each cp rank's is the mean over its
@@ -238,13 +266,17 @@ class Trainer:
         figures, maxes = self.observer.payload(previous[1] if previous else None)
         extra_sums = [extra[k].reshape(1).to(head) for k in ("aux_loss", "dropped")] if extra else []
         extra_max = [extra[k].reshape(1).to(head) for k in ("imbalance", "all_to_all_s")] if extra else []
-        sums = torch.cat([head, *extra_sums, figures])
+        src = [] if sources is None else [sources.to(head)]
+        sums = torch.cat([head, *src, *extra_sums, figures])
         maxes = torch.cat([*extra_max, maxes])
         self.watch.enter("step all-reduce (gradient norm, loss, per-rank metrics)", "world")
         with timeline.span("step sums", "comm", lane="comm"):
             all_reduce_sum_max(sums, maxes, topo.world_group)
         timeline.close_window(closing="step sums")
         head = sums[:2].float()
+        if sources is not None:  # world sums: every supervised token of the global batch
+            sources.copy_(sums[2:2 + sources.numel()])
+            sums = torch.cat([sums[:2], sums[2 + sources.numel():]])
         if extra:
             extra.update(aux_loss=sums[2], dropped=sums[3], imbalance=maxes[0], all_to_all_s=maxes[1])
             sums, maxes = sums[2 + len(extra_sums):], maxes[len(extra_max):]
@@ -291,6 +323,18 @@ class Trainer:
         for b in range(n_batches):
             total += self.schedule.forward_only(self.data.val_micro_batches(b)) / n_batches
         return float(all_reduce(total, self.topo.dp_cp_group) / self.topo.dp_cp)
+
+    @torch.no_grad()
+    def evaluate_sources(self) -> dict:
+        """``val_loss/<name>``: each data.blend source's held-out loss, as :meth:`evaluate`
+        over that source's validation split (nothing for one dataset)."""
+        out, n = {}, self.cfg.eval.batches
+        for name in self.source_names:
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for b in range(n):
+                total += self.schedule.forward_only(self.data.source_val_micro_batches(name, b)) / n
+            out[f"val_loss/{name}"] = float(all_reduce(total, self.topo.dp_cp_group) / self.topo.dp_cp)
+        return out
 
     def _check_numbers(self, loss: float, grad_norm: float) -> dict:
         """Skip or stop on a non-finite step, flag a loss spike (same on every rank: the
@@ -370,6 +414,7 @@ class Trainer:
             interval = self.cfg.eval.interval
             if interval and record["step"] % interval == 0:
                 record["val_loss"] = self.evaluate()
+                record.update(self.evaluate_sources())
             history.append(record)
             if self.metrics is not None:
                 self._show(record, bar)
