@@ -146,10 +146,9 @@ def _make_peft_adapter(folder, model_cfg):
     return wrapped.eval()
 
 
-def _lora_logits(job: dict, base_folder: str, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """This rank's logits (its vocabulary columns) and their first column, from the base
-    weights of ``base_folder`` split by ``parallelize_llama`` and ``lora.adapter`` read by
-    slices."""
+def _lora_model(job: dict, base_folder: str):
+    """(this rank's model, its topology): the base weights of ``base_folder`` split by
+    ``parallelize_llama``, ``lora.adapter`` read by slices."""
     from safetensors.torch import load_file
 
     from parallel3d.lora import apply_lora, start_adapters_
@@ -166,9 +165,56 @@ def _lora_logits(job: dict, base_folder: str, tokens: torch.Tensor) -> tuple[tor
     model, _ = parallelize_llama(model, topo, cfg.parallel)
     apply_lora(model, cfg, topo)
     start_adapters_(model, cfg.lora, seed=1)
+    return model, topo
+
+
+def _lora_logits(job: dict, base_folder: str, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's logits (its vocabulary columns) and their first column."""
+    model, topo = _lora_model(job, base_folder)
     with torch.no_grad():
         logits = model(tokens)
     return logits, topo.tp_rank * logits.shape[-1]
+
+
+def _merged(job: dict, base_folder: str, tokens: torch.Tensor) -> dict:
+    """This rank's projection weights after ``merge_and_unload_`` (with their tp split),
+    the logits before and after, and what parameters are left."""
+    from parallel3d.lora import merge_and_unload_
+
+    model, _ = _lora_model(job, base_folder)
+    with torch.no_grad():
+        before = model(tokens)
+        merge_and_unload_(model)
+        after = model(tokens)
+    weights = {n: (p.detach().clone(), getattr(p, "p3d_tp_dim", None), getattr(p, "p3d_tp_range", None))
+               for n, p in model.named_parameters() if n.split(".")[-2] in TARGETS}
+    return {"before": before, "after": after, "weights": weights,
+            "names": [n for n, _ in model.named_parameters()]}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_merge_and_unload_equals_peft(pools, tmp_path, tp):
+    """Each rank folds its adapters into its own block of the weights: the blocks equal
+    the slices of peft's ``merge_and_unload()`` (fp32, 1e-6: the same fp32 product and
+    sum), the adapters are gone and the logits are the adapted model's (1e-5)."""
+    pytest.importorskip("peft")
+    from parallel3d.models.llama.hf import name_to_hf
+    from parallel3d.train.setup import resolve_model_config
+
+    job = tiny_job("", str(tmp_path), parallel={"tp": tp},
+                   lora={"rank": RANK, "alpha": 8.0, "targets": TARGETS, "adapter": str(tmp_path / "adapter")})
+    wrapped = _make_peft_adapter(tmp_path, resolve_model_config(config_from_dict(job).model))
+    merged = wrapped.merge_and_unload().state_dict()
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
+    for got in pools(tp).run(_merged, job, str(tmp_path / "base"), tokens):
+        torch.testing.assert_close(got["after"], got["before"], rtol=1e-5, atol=1e-5)
+        assert not any("lora" in n for n in got["names"])
+        assert len(got["weights"]) == len(TARGETS) * LAYERS
+        for name, (w, dim, rows) in got["weights"].items():
+            want = merged[name_to_hf(name)]
+            if dim is not None:
+                want = want.narrow(dim, rows[0], rows[1] - rows[0])
+            torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -112,8 +112,20 @@ def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int) -> 
     else:
         raise ValueError(f"LoRA: no adapters for a {type(layer).__name__}")
     layer.lora_scaling = alpha / rank
-    # the instance's forward as it stands (split_weight_grads may have replaced nn.Linear's)
+    # the instance's forward as it stands (split_weight_grads may have replaced nn.Linear's),
+    # kept to be put back by detach
+    layer.lora_saved_forward = layer.__dict__.get("forward")
     layer.forward = partial(forward, layer, layer.forward)
+
+
+def detach(layer: nn.Module) -> None:
+    """Remove ``layer``'s adapters and give it back the forward it had before :func:`attach`."""
+    saved = layer.__dict__.pop("lora_saved_forward")
+    del layer.lora_A, layer.lora_B, layer.lora_scaling
+    if saved is None:
+        del layer.forward  # the class's own
+    else:
+        layer.forward = saved
 
 
 def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
