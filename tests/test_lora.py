@@ -32,6 +32,8 @@ def _job(corpus_dir, run_dir, **parallel) -> dict:
 
 
 def _train(job: dict) -> dict:
+    from parallel3d.zero.memory import memory_report
+
     cfg = config_from_dict(job)
     trainer = Trainer(cfg, Topology.of(cfg.parallel))
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
@@ -47,6 +49,8 @@ def _train(job: dict) -> dict:
             "trainable": sorted(n for n, p in params.items() if p.requires_grad),
             "adapter_numel": sum(p.numel() for p in params.values() if p.requires_grad),
             "state_numel": sum(t.numel() for part in parts for t in part.memory_tensors()["optimizer_state"]),
+            "report": memory_report(trainer.model, opt),
+            "frozen_bytes": sum(t.numel() * t.element_size() for t in frozen.values()),
             "layers": sorted({n.split(".")[1] for n in params if n.startswith("layers.")})}
 
 
@@ -109,6 +113,15 @@ def test_lora_trains_as_one_process(pools, corpus_dir, tmp_path, reference, para
         # Adam's two moments of this rank's adapters, one bucket sharded over dp under ZeRO
         shards = parallel["dp"] if parallel.get("zero", 0) else 1
         assert got["state_numel"] == 2 * SHARD_ALIGN * -(-got["adapter_numel"] // (shards * SHARD_ALIGN))
+        # bytes (fp32): parameters = the frozen base + the adapters' bucket (padded to
+        # shards x SHARD_ALIGN); gradients only for the adapters: the whole bucket
+        # (ZeRO 0), the bucket and this rank's reduced shard (1), the shard (2)
+        bucket = shards * SHARD_ALIGN * -(-got["adapter_numel"] // (shards * SHARD_ALIGN))
+        grads = {0: bucket, 1: bucket + bucket // shards, 2: bucket // shards}[parallel.get("zero", 0)]
+        report = got["report"]
+        assert report["params"] == got["frozen_bytes"] + 4 * bucket
+        assert report["grads"] == 4 * grads, (report, bucket)
+        assert report["optimizer_state"] == 4 * 2 * bucket // shards
 
 
 @pytest.mark.parametrize("change, says", [
