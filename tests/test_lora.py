@@ -389,3 +389,15 @@ def test_lora_in_bf16(pools, corpus_dir, tmp_path, parallel):
         assert got["frozen_unchanged"] and got["frozen_with_grad"] == 0
         assert got["frozen_dtypes"] == ["torch.bfloat16"]
         assert got["state_numel"] == 3 * SHARD_ALIGN * -(-got["adapter_numel"] // (shards * SHARD_ALIGN))
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_lora_with_recomputation_at_tp2(pools, corpus_dir, tmp_path, reference, recompute):
+    """Activation recomputation re-runs the adapters with the layers (selective keeps the
+    GEMM outputs, the adapters' included: the row-parallel adapter then reduces a copy,
+    as the layer does): one process's losses (1e-5)."""
+    job = _job(corpus_dir, str(tmp_path), tp=2)
+    job["train"]["recompute"] = recompute
+    for got in pools(2).run(_train, job):
+        assert relative_diff(got["losses"], reference["losses"]) < 1e-5, (got["losses"], reference["losses"])
+        assert got["frozen_unchanged"]

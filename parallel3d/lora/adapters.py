@@ -71,7 +71,8 @@ def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
 def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
     y = base_forward(x)  # (B, S, out), reduced
     h = layer.lora_A(x)  # (B, S, r), partial sum
-    h = reduce_from_tp_region(h, layer.group, inplace=True)  # h is ours: reduced in place
+    # h is ours, reduced in place, unless selective recomputation keeps the GEMM outputs
+    h = reduce_from_tp_region(h, layer.group, inplace=layer.reduce_in_place)
     return y + layer.lora_B(h) * layer.lora_scaling  # (B, S, out)
 
 
