@@ -55,10 +55,12 @@ def _train(job: dict) -> dict:
 
 
 def _adapter_numel(tp: int, layers: int) -> int:
-    """This rank's adapter elements, from the split rule: column-parallel layers hold A
-    (r, in) whole and rows of B; row-parallel ones columns of A and B (out, r) whole."""
+    """This rank's adapter elements, from the split rule: column-parallel layers (q k v
+    gate up) hold A (r, in) whole and rows of B; row-parallel ones (o down) columns of A
+    and B (out, r) whole."""
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    column = sum(RANK * DIM + out // tp * RANK for out in (q, kv, kv, FFN, FFN))  # q k v gate up
+    kv_rows = max(kv // tp, HEAD_DIM)  # tp > kv-heads: one whole kv-head per rank
+    column = sum(RANK * DIM + rows * RANK for rows in (q // tp, kv_rows, kv_rows, FFN // tp, FFN // tp))
     row = RANK * q // tp + DIM * RANK + RANK * FFN // tp + DIM * RANK  # o, down
     return layers * (column + row)
 
@@ -94,6 +96,7 @@ def test_lora_trains_only_the_adapters(reference, corpus_dir, tmp_path):
 
 @pytest.mark.parametrize("parallel", [
     {"tp": 2},
+    {"tp": 4},  # each kv-head's k/v rows (and their B rows) on 2 ranks: partial gradients summed
     {"pp": 2, "schedule": "1f1b"},
     {"pp": 2, "schedule": "zb-h1"},
     {"dp": 2, "zero": 2},
