@@ -404,3 +404,23 @@ def test_lora_with_recomputation_at_tp2(pools, corpus_dir, tmp_path, reference, 
     for got in pools(2).run(_train, job):
         assert relative_diff(got["losses"], reference["losses"]) < 1e-5, (got["losses"], reference["losses"])
         assert got["frozen_unchanged"]
+
+
+def test_trainable_weights_train_with_the_adapters(pools, corpus_dir, tmp_path, reference):
+    """``lora.trainable = ["norm", "lm_head"]``: the final norm (replicated over tp) and
+    the head (split by vocabulary) train with the adapters at tp 2 x pp 2 as in one
+    process (1e-5); the other weights stay frozen and untouched."""
+    def job(name, **parallel):
+        j = _job(corpus_dir, str(tmp_path / name), **parallel)
+        j["lora"]["trainable"] = ["norm", "lm_head"]
+        return j
+
+    one = _train(job("one"))
+    assert sorted(n for n in one["trainable"] if ".lora_" not in n) == ["lm_head.weight", "norm.weight"]
+    assert relative_diff(one["losses"], reference["losses"]) > 1e-4  # they train: not the adapters-only run
+    ranks = pools(4).run(_train, job("four", tp=2, pp=2))
+    for got in ranks:
+        assert relative_diff(got["losses"], one["losses"]) < 1e-5, (got["losses"], one["losses"])
+        assert got["frozen_unchanged"] and got["frozen_with_grad"] == 0
+    last_stage = [n for got in ranks for n in got["trainable"] if ".lora_" not in n]
+    assert sorted(last_stage) == ["lm_head.weight"] * 2 + ["norm.weight"] * 2  # the 2 tp ranks of stage 2
