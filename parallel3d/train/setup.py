@@ -13,6 +13,7 @@ from pathlib import Path
 from parallel3d.config import DataConfig, JobConfig, ModelConfig
 from parallel3d.errors import UserError
 from parallel3d.model_config import resolve_model_config  # noqa: F401 - re-exported
+from parallel3d.lora.apply import lora_problems
 from parallel3d.models import model_family
 from parallel3d.observe.sinks import check_observability
 from parallel3d.pipeline.partition import check_split
@@ -39,6 +40,9 @@ def check_job(cfg: JobConfig, model, world_size: int) -> None:
     if problems:
         raise UserError("; ".join(problems))
     check_new_axes(par, model)
+    lora = lora_problems(cfg)  # the run's own check, before the dry run's figures
+    if lora:
+        raise UserError("; ".join(lora))
     check_observability(cfg.observability)
     check_memory_options(cfg)
     check_context_parallel(par, train.seq_len)
