@@ -31,10 +31,10 @@ from parallel3d.train.trainer import Trainer
 _step_sums = Trainer._step_sums  # fails loudly if the trainer no longer has it
 
 
-def _poisoned(self, norm_share, loss_part):
+def _poisoned(self, norm_share, loss_part, *rest):
     if self.step + 1 == {BAD}:
         loss_part = loss_part * float("nan")
-    return _step_sums(self, norm_share, loss_part)
+    return _step_sums(self, norm_share, loss_part, *rest)
 
 
 Trainer._step_sums = _poisoned
