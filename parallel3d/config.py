@@ -204,7 +204,8 @@ class CheckpointConfig:
     resume: str = "auto"  # auto: the latest checkpoint in dir, if any; never; or a checkpoint path
     async_save: bool = False  # copy to host memory, write in a background thread
     verify: bool = True  # check each file's sha256 when loading (sizes are always checked)
-    export_hf: str = ""  # at the end, write a Hugging Face folder here (relative: under RUN_DIR)
+    export_hf: str = ""  # at the end, write a Hugging Face folder here (relative: under RUN_DIR); LoRA: merged
+    export_peft: str = ""  # LoRA: at the end, write the adapters as a PEFT folder here (relative: under RUN_DIR)
 
 
 @dataclass

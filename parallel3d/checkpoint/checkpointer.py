@@ -54,6 +54,22 @@ def check_checkpoint_options(c) -> None:
                         "a checkpoints folder with 'latest', 'auto' or 'never'")
 
 
+def _adapters_in(source, placements: list) -> bool:
+    """Whether ``source`` holds the LoRA adapters of ``placements`` (all of them, in this
+    run's shapes: a LoRA run's checkpoint) or none (a base model); else a UserError."""
+    held = [pl for pl in placements if source.has("model/" + pl.name)]
+    if held and len(held) < len(placements):
+        missing = next(pl.name for pl in placements if pl not in held)
+        raise UserError(f"{source.folder} holds LoRA adapters but not {missing}: resume with the "
+                        "lora.targets it was trained with")
+    for pl in held:
+        shape = tuple(source.spec("model/" + pl.name)[0])
+        if shape != pl.shape:
+            raise UserError(f"{source.folder}: the adapter {pl.name} has shape {shape}, this run's is "
+                            f"{pl.shape}: resume with the lora.rank it was trained with")
+    return bool(held)
+
+
 class Checkpointer:
     def __init__(self, cfg, topo, model_cfg):
         self.job, self.cfg, self.topo, self.model_cfg = cfg, cfg.checkpoint, topo, model_cfg
@@ -73,6 +89,7 @@ class Checkpointer:
         self.reader: CheckpointReader | None = None
         self.resumed_from: Path | None = None
         self.hf_config: dict | None = None  # carried into checkpoints, for the export
+        self.adapters_loaded = False  # LoRA's adapters came from the source (a LoRA run's checkpoint)
         self._last_saved = -1
 
     def _agree(self, value):
@@ -169,8 +186,12 @@ class Checkpointer:
                              source.folder)
         else:
             return None
+        adapters = [p for p in model.parameters() if getattr(p, "p3d_lora", False)]
+        self.adapters_loaded = _adapters_in(source, [placements[id(p)] for p in adapters])
         for p in model.parameters():
             pl = placements[id(p)]
+            if getattr(p, "p3d_lora", False) and not self.adapters_loaded:
+                continue  # a base model: the adapters start on their own (start_adapters_)
             name = "model/" + pl.name
             if p.dtype == torch.float32 and source.has("master/" + pl.name):
                 name = "master/" + pl.name  # fp32 masters of a bf16 run: full precision
@@ -335,7 +356,13 @@ class Checkpointer:
         self._last_saved = step
 
     def finish(self, trainer) -> None:
-        """Wait for a background save; write the Hugging Face export if asked."""
+        """Wait for a background save; write the Hugging Face export (LoRA: the merged
+        model) and the PEFT adapter folder if asked."""
+        if self.cfg.export_peft:  # collective; the adapters only, gathered to rank 0
+            from .peft import export_peft
+
+            export_peft(trainer.model, self.job.lora, Path(self.job.run.dir) / self.cfg.export_peft, self.topo,
+                        optimizer=trainer.optimizer, base_model=self.job.model.hf_checkpoint)
         if self.export_dir is not None and self._last_saved != trainer.step:
             self.save(trainer)
         self.writer.wait()
@@ -343,7 +370,7 @@ class Checkpointer:
             if self.topo.rank == 0:
                 from .convert import convert
 
-                convert(self.root, self.export_dir, to="hf", progress=False, overwrite=True)
+                convert(self.root, self.export_dir, to="hf", progress=False, overwrite=True, merge_lora=True)
                 if self.job.model.hf_checkpoint:  # fine-tuned: the source's tokenizer goes along
                     from .hf import copy_companion_files
 

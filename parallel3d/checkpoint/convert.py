@@ -179,13 +179,14 @@ def _publish(tmp: Path, final: Path) -> None:
 def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | None = None,
             dtype: str | None = None, verify: str | bool = "hash", progress: bool = True,
             max_shard_bytes: int = 5 * 2**30, overwrite: bool = False,
-            budget_bytes: int = DEFAULT_BUDGET, threads: int | None = None) -> dict:
+            budget_bytes: int = DEFAULT_BUDGET, threads: int | None = None, merge_lora: bool = False) -> dict:
     """Convert ``src`` to format ``to`` at ``dst``; returns a summary.
 
     A ``dst`` that exists and is not empty is refused before anything is read or written,
     unless ``overwrite`` (the trainer's ``checkpoint.export_hf`` rewrites its own export).
     ``budget_bytes``: the most bytes of tensors read ahead (memory: about this or the
-    largest tensor, whichever is larger)."""
+    largest tensor, whichever is larger). A LoRA run's checkpoint goes to ``hf`` or ``dcp``
+    as its base model, or with ``merge_lora`` as the merged one (:mod:`.peft`)."""
     verify = {True: "hash", False: "none"}.get(verify, verify)
     dst = Path(dst)
     _check_args(to, dtype, verify, dst, overwrite)
@@ -194,15 +195,19 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
     cast = DTYPES.get(dtype) if dtype else None
     from . import writers
 
-    source = open_source(src, config, verify=False)
+    source = raw = open_source(src, config, verify=False)
     try:
+        if to != "parallel3d":
+            from .peft import lora_export_view
+
+            source = lora_export_view(source, merge_lora)
         step = int(source.step)
         final = dst / step_dir_name(step) if to == "parallel3d" else dst
         tmp = final.with_name(f".{final.name}.tmp-convert{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         created = not dst.exists()  # removed again if the conversion fails
         tmp.mkdir(parents=True)
-        check = _SourceCheck(source) if verify == "full" else None
+        check = _SourceCheck(raw) if verify == "full" else None
         names = [n for n in source.names() if to == "parallel3d" or n.startswith("model/")]
         total = sum(_nbytes(*source.spec(n)) for n in names)
         bar = Progress(total, f"convert -> {to}", enabled=progress)

@@ -102,6 +102,8 @@ def _zero_load(opt, placements, scalars, source) -> bool:
     if not opt.master_is_param:  # full-precision masters, whatever dtype the params have
         for p, pl, b, lo, hi, a, c in segments:
             name = f"master/{pl.name}" if source.has(f"master/{pl.name}") else f"model/{pl.name}"
+            if not source.has(name):  # LoRA adapters a base checkpoint lacks: masters taken from their init
+                continue
             opt.masters[b][lo:hi].copy_(source.read_block_flat(name, pl.offsets, pl.block, a, c))
     if not _has_moments(source, [seg[1] for seg in segments]):
         return False

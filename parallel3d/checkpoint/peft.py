@@ -3,12 +3,18 @@
 Hugging Face base.
 
     export_peft(model, job_cfg.lora, folder, topo, optimizer=trainer.optimizer)
+    convert(checkpoint, dst, to="hf", merge_lora=True)   # LoraExportView: the merged model
 
 Collective over the world. The ranks of the first data-parallel replica (dp x cp rank 0)
 send their adapter factors, each with its tensor-parallel split (``p3d_tp_dim``,
 ``p3d_tp_range``), to rank 0, which places every block at its range in the full tensor
 and writes the folder; pipeline stages send their own layers. Adapters are small (r x
 (in + out) per projection), so they travel as objects, gathered whole on rank 0.
+
+:class:`LoraExportView` serves a LoRA run's checkpoint to the Hugging Face writers: as its
+base model (the adapters left out) or merged (``W + s B A``, PEFT's ``merge_and_unload``),
+streamed tensor by tensor like any conversion. The trainer calls both at the end of a run
+(``checkpoint.export_peft``, ``checkpoint.export_hf``).
 """
 
 from __future__ import annotations
@@ -86,4 +92,73 @@ def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimize
     save_file({PREFIX + name: t.contiguous() for name, t in sorted(full.items())}, str(folder / WEIGHTS_FILE),
               metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base_model), indent=2))
+    if base_model and Path(base_model).is_dir():  # the base's tokenizer goes along, as PEFT saves it
+        from .hf import copy_companion_files
+
+        copy_companion_files(base_model, folder)
     return folder
+
+
+def _factor(name: str, which: str) -> str:
+    """``model/layers.0.self_attn.q_proj.weight`` -> ``...q_proj.lora_A.weight`` (``which`` A or B)."""
+    return name.removesuffix(".weight") + f".lora_{which}.weight"
+
+
+class LoraExportView:
+    """A checkpoint source seen without its LoRA factors, for a Hugging Face (or DCP)
+    export: ``scaling`` None serves the base weights as saved; a number serves every
+    adapted weight merged, ``W + scaling (B @ A)`` (PEFT's ``merge_and_unload``: the
+    product in fp32, from the fp32 masters of a bf16 run where saved, cast to W's dtype).
+    Everything else is the source's."""
+
+    def __init__(self, source, scaling: float | None):
+        self.source, self.scaling = source, scaling
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def names(self, *prefix) -> list[str]:
+        return [n for n in self.source.names(*prefix) if ".lora_" not in n]
+
+    def _merged(self, name: str) -> bool:
+        return self.scaling is not None and name.startswith("model/") and self.source.has(_factor(name, "A"))
+
+    def read_tiles(self, name: str):
+        read = getattr(self.source, "read_tiles", None)
+        return None if read is None or self._merged(name) else read(name)
+
+    def _factor_region(self, name: str, which: str, offsets, shape) -> torch.Tensor:
+        for prefix in ("master/", "model/"):
+            key = prefix + _factor(name, which).removeprefix("model/")
+            if self.source.has(key):
+                return self.source.read_region(key, offsets, shape).float()
+        raise KeyError(key)
+
+    def read_region(self, name: str, offsets, shape) -> torch.Tensor:
+        w = self.source.read_region(name, offsets, shape)
+        if not self._merged(name):
+            return w
+        rank = self.source.spec(_factor(name, "A"))[0][0]
+        (r0, c0), (rows, cols) = offsets, shape
+        a = self._factor_region(name, "A", (0, c0), (rank, cols))  # (r, cols)
+        b = self._factor_region(name, "B", (r0, 0), (rows, rank))  # (rows, r)
+        return (w.float() + (b @ a) * self.scaling).to(w.dtype)
+
+    def read(self, name: str) -> torch.Tensor:
+        shape = self.source.spec(name)[0]
+        return self.read_region(name, (0,) * len(shape), shape)
+
+
+def lora_export_view(source, merge: bool):
+    """``source`` for a Hugging Face export: unchanged without adapters; else a
+    :class:`LoraExportView`, merged (``merge``) with the scaling alpha / rank of the
+    ``[lora]`` section the checkpoint was trained with."""
+    if not any(".lora_" in n for n in source.names()):
+        return source
+    if not merge:
+        return LoraExportView(source, None)
+    lora = ((getattr(getattr(source, "index", None), "config", None) or {}).get("lora") or {})
+    if not lora.get("rank"):
+        raise ValueError(f"{source.folder}: holds LoRA adapters but no [lora] section with their rank "
+                         "and alpha to merge them with")
+    return LoraExportView(source, float(lora["alpha"]) / int(lora["rank"]))

@@ -94,16 +94,21 @@ def param_placements(model: torch.nn.Module, model_cfg, dp_rank: int = 0, dp: in
     the data-parallel ranks, by one of them in turn (parameter i by dp rank i mod dp), so
     writing is spread over all ranks. A routed expert under expert parallelism
     (``p3d_expert``) is replicated over its expert-data-parallel ranks only:
-    ``expert_replicas`` = (rank, size) among them (default: as the dense weights)."""
+    ``expert_replicas`` = (rank, size) among them (default: as the dense weights). A LoRA
+    factor (``p3d_lora``, not in the base model) is its own logical tensor, its shape read
+    from its block and split (``p3d_tp_full`` along ``p3d_tp_dim``)."""
     shapes = logical_shapes(model_cfg)
     out: dict[int, Placement] = {}
     for i, (name, p) in enumerate(model.named_parameters()):
         logical = logical_param_name(name, model_cfg)
-        if logical not in shapes:
-            raise CheckpointError(f"parameter {name} is not part of the model {model_cfg}")
-        shape = shapes[logical]
-        offsets = [0] * p.ndim
         dim = getattr(p, "p3d_tp_dim", None)
+        if getattr(p, "p3d_lora", False):  # a LoRA factor: whole, or split as its layer's in or out side
+            shape = tuple(p.p3d_tp_full if d == dim else n for d, n in enumerate(p.shape))
+        elif logical not in shapes:
+            raise CheckpointError(f"parameter {name} is not part of the model {model_cfg}")
+        else:
+            shape = shapes[logical]
+        offsets = [0] * p.ndim
         if dim is not None:
             offsets[dim] = int(p.p3d_tp_range[0])
         block = tuple(p.shape)

@@ -6,7 +6,7 @@ weight frozen unless ``lora.trainable`` names it.
     start_adapters_(model, job_cfg.lora, seed)  # A seeded (or a PEFT folder), B zero
 
 ``apply_lora`` takes the whole job because what it refuses spans sections (sequence
-parallelism, checkpoints, Hugging Face folders). The frozen weights keep
+parallelism, the PEFT export). The frozen weights keep
 ``requires_grad=False``: the optimizer (which takes only parameters that train) gives
 them no gradient buffer, no fp32 master and no Adam state; the trainer allocates them in
 the storage dtype after the optimizer.
@@ -38,6 +38,9 @@ def lora_problems(cfg) -> list[str]:
     if lora.rank < 0:
         out.append(f"lora.rank {lora.rank} is negative: 0 (off) or the adapters' rank")
     if lora.rank == 0:
+        if cfg.checkpoint.export_peft:
+            out.append("checkpoint.export_peft writes LoRA adapters: set lora.rank (and lora.targets), "
+                       "or drop checkpoint.export_peft")
         return out
     if lora.alpha <= 0:
         out.append(f"lora.alpha {lora.alpha} must be positive (the adapters' output is scaled by alpha / rank)")
@@ -53,14 +56,9 @@ def lora_problems(cfg) -> list[str]:
             out.append(f"lora.trainable: unknown weight {t!r}{did_you_mean(t, TRAINABLE)}; one of {', '.join(TRAINABLE)}")
     if cfg.parallel.sequence_parallel:
         out.append("LoRA with parallel.sequence_parallel is not implemented: set parallel.sequence_parallel=false")
-    # The checkpointer lays out every parameter by the base model's names: adapters are
-    # not among them yet (parallel3d/checkpoint/state.py param_placements).
-    if cfg.model.hf_checkpoint:
-        out.append("LoRA on model.hf_checkpoint is not implemented yet (the checkpointer does not "
-                   "know adapter parameters): train from the seeded init, or set lora.rank=0")
-    if cfg.checkpoint.interval > 0 or cfg.checkpoint.export_hf:
-        out.append("LoRA with checkpoints or export_hf is not implemented yet: set checkpoint.interval=0 "
-                   "and checkpoint.export_hf=\"\"")
+    if cfg.checkpoint.export_peft and lora.trainable:
+        out.append(f"checkpoint.export_peft with lora.trainable {lora.trainable} would need PEFT's "
+                   "modules_to_save (not written): set lora.trainable=[] or drop checkpoint.export_peft")
     return out
 
 

@@ -104,9 +104,10 @@ class Trainer:
         prepare_linear_backends(self.model, cfg.parallel, cfg.train, topo.tp, self.device)
         if not self.checkpointer.has_weights_to_load():
             family.initialize_(self.model, cfg.train.seed)
-        else:  # (only then: the checkpointer lays out the base model's names, not LoRA's adapters)
+        else:
             self.checkpointer.load_weights(self.model)
-        start_adapters_(self.model, cfg.lora, cfg.train.seed)  # seeded A, zero B, or a PEFT folder
+        if not self.checkpointer.adapters_loaded:  # resumed: the checkpoint's adapters (and their Adam state)
+            start_adapters_(self.model, cfg.lora, cfg.train.seed)  # seeded A, zero B, or a PEFT folder
         self.optimizer.take_masters()
         self.schedule = build_schedule(
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
