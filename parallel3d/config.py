@@ -105,6 +105,10 @@ class ParallelConfig:
     # the dtype data-parallel gradient reductions send: fp32, or bf16 (half the bytes; each
     # contribution rounded to bf16, a relative 2^-8, summed into fp32 where the backend lets)
     reduce_dtype: ReduceDtype = "fp32"
+    # zero >= 1: the all-gather of the updated parameters after the optimizer step runs
+    # under the next forward, each module waiting only for the buckets it reads (false:
+    # the step waits for every bucket before it ends)
+    overlap_param_gather: bool = True
 
     def __post_init__(self) -> None:  # run by checks_choices, after the schedule was checked
         if self.virtual_stages is None:

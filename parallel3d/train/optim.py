@@ -67,8 +67,8 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
     """The optimizer for ``parallel.zero`` (0, 1 or 2) over ``params``, stored in their
     current dtype (bf16 parameters get fp32 master weights in the optimizer); meta
     parameters are allocated in its flat buffer on ``device`` in ``dtype``. With ``model``
-    given, the sharded stages overlap their post-step all-gather with the next forward
-    pass; ``timeline`` records the optimizer's collective waits. Under expert parallelism
+    given and ``parallel.overlap_param_gather`` on, the sharded stages overlap their
+    post-step all-gather with the next forward pass; ``timeline`` records the optimizer's collective waits. Under expert parallelism
     the experts get an optimizer of their own over their replicas (:class:`SplitOptimizer`)."""
     params = list(params)
     if topo.ep > 1 and any(is_expert(p) for p in params):
@@ -76,8 +76,8 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
         return SplitOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
                               bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
                               reduce_dtype=parallel_cfg.reduce_dtype,
-                              model=model, timeline=timeline, device=device, dtype=dtype)
+                              overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
     return ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
                          bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
                          reduce_dtype=parallel_cfg.reduce_dtype,
-                         model=model, timeline=timeline, device=device, dtype=dtype)
+                         overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)

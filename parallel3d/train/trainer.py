@@ -319,6 +319,7 @@ class Trainer:
         model as one chunk when pp = 1), so any layout evaluates the same sequences.
         """
         n_batches = self.cfg.eval.batches
+        self.finish_param_gather()
         # on the device: the dp group may be NCCL's, which takes only CUDA tensors
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for b in range(n_batches):
@@ -330,12 +331,21 @@ class Trainer:
         """``val_loss/<name>``: each data.blend source's held-out loss, as :meth:`evaluate`
         over that source's validation split (nothing for one dataset)."""
         out, n = {}, self.cfg.eval.batches
+        self.finish_param_gather()
         for name in self.source_names:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for b in range(n):
                 total += self.schedule.forward_only(self.data.source_val_micro_batches(name, b)) / n
             out[f"val_loss/{name}"] = float(all_reduce(total, self.topo.dp_cp_group) / self.topo.dp_cp)
         return out
+
+    def finish_param_gather(self) -> None:
+        """Wait for the optimizer's post-step parameter all-gathers still in flight (ZeRO
+        1/2 overlap them with the next forward): before anything reads the weights outside
+        a training forward (evaluation, a checkpoint, the caller after the last step)."""
+        finish = getattr(self.optimizer, "finish_param_gather", None)
+        if finish is not None:
+            finish()
 
     def _check_numbers(self, loss: float, grad_norm: float) -> dict:
         """Skip or stop on a non-finite step, flag a loss spike (same on every rank: the
@@ -445,6 +455,7 @@ class Trainer:
         reached ``train.steps`` (else wait for a background save), then the data loader,
         the metrics files and the watch."""
         self.flush_records()
+        self.finish_param_gather()  # the caller may read the weights once the run is closed
         self.watch.pause("end of the run")
         if finished is None:
             finished = self.step >= self.cfg.train.steps

@@ -84,15 +84,18 @@ class ZeroOptimizer(GlobalNormOptimizer):
             parameters and buffers (False: leave them for another optimizer).
         offload: keep master weights and moments on the CPU; step with DeepSpeed's CPU Adam
             (stages 1 and 2).
-        model: the module owning ``params``; when given, the post-step all-gather of each
-            bucket is waited for lazily in forward pre-hooks.
+        model: the module owning ``params``; when given (and ``overlap_param_gather``), the
+            post-step all-gather of each bucket is waited for lazily in forward pre-hooks.
+        overlap_param_gather: stages 1/2 with ``model``: leave the post-step all-gathers in
+            flight until the forward needs them (``parallel.overlap_param_gather``); False:
+            :meth:`apply` waits for them all before returning.
         timeline: where the optimizer's collective waits and bucket reductions are
             recorded (the trainer's step timeline).
     """
 
     def __init__(self, params, cfg: TrainConfig, topo: Topology, *, stage: ZeroStage = 1,
                  bucket_mb: float = 25.0, offload: bool = False, reduce_dtype: str = "fp32",
-                 model: torch.nn.Module | None = None, timeline=None,
+                 model: torch.nn.Module | None = None, overlap_param_gather: bool = True, timeline=None,
                  device: torch.device | None = None, dtype: torch.dtype | None = None,
                  replicas=None, grad_divisor: int | None = None, materialize_rest: bool = True):
         if stage not in typing.get_args(ZeroStage):  # a caller other than the config's
@@ -138,11 +141,11 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self.step_count = 0
         self._gathers: dict[int, object] = {}
         self._build_adam(state_device)
-        self._overlap_gather = model is not None
+        self._overlap_gather = model is not None and overlap_param_gather
         # called before apply() changes a weight or a moment: a background checkpoint
         # copying them from the training thread's tensors (CheckpointWriter.wait_copied)
         self.before_update: list = []
-        if model is not None and self.shards_over_dp and self.dp_group is not None:
+        if self._overlap_gather and self.shards_over_dp and self.dp_group is not None:
             self._hook_forward(model)
 
     # -- construction ----------------------------------------------------------------------
@@ -311,7 +314,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
                 self._gathers[b] = all_gather_flat(out, self.param_shards[b], group=self.dp_group,
                                                    async_op=True)
         if not self._overlap_gather:
-            self.wait_for_params()
+            self.finish_param_gather()
 
     def _wait_gathers(self, buckets: list[int], module=None, args=None) -> None:
         if self._gathers:
@@ -320,9 +323,13 @@ class ZeroOptimizer(GlobalNormOptimizer):
                 if work is not None:
                     work.wait()
 
-    def wait_for_params(self) -> None:
-        """Block until every parameter holds the values of the last step."""
+    def finish_param_gather(self) -> None:
+        """Block until every parameter holds the values of the last step: whatever reads
+        the parameters outside the next forward pass (a checkpoint, an evaluation, an
+        export, the gradient norm, a caller after the last step) calls it first."""
         self._wait_gathers(list(self._gathers))
+
+    wait_for_params = finish_param_gather  # the name the checkpoints and older callers use
 
     def release(self) -> None:
         """Let go of the parameters' gradient hooks (see :meth:`GradReducer.release`), after

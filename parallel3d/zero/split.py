@@ -82,9 +82,11 @@ class SplitOptimizer(GlobalNormOptimizer):
         for part in self.parts:
             part.apply(lr, norm, skip)
 
-    def wait_for_params(self) -> None:
+    def finish_param_gather(self) -> None:
         for part in self.parts:
-            part.wait_for_params()
+            part.finish_param_gather()
+
+    wait_for_params = finish_param_gather
 
     def release(self) -> None:
         for part in self.parts:
