@@ -1,6 +1,6 @@
 """The GPU path in one command: kernels, GEMMs against cuBLAS, 1B training, 2x2x2 on one GPU, cp, MoE.
 
-    python benchmarks/gpu_acceptance.py [--out benchmarks/gpu_acceptance.md]    # one GPU, < 10 min
+    python benchmarks/gpu_acceptance.py [--out benchmarks/gpu_acceptance.md]    # one GPU, <= 8 min
     python benchmarks/gpu_acceptance.py --smoke [--out FILE]                    # CPU, what CI runs
 
 Sections (each in a process of its own, with its own time budget; a section that fails,
@@ -44,18 +44,18 @@ HERE = Path(__file__).resolve().parent
 # name: (title, budget on one H200 in s, budget of --smoke in s, kernels inside: interpreter on CPU).
 # The H200 budgets assume a cold Triton cache: benchmarks/README.md estimates each section
 # (its Triton specialisations counted, ~2 s a compile, CUDA initialisation per process) and
-# they add to 585 s.
+# they add to 480 s, the 8 minutes issue 30 allows.
 SECTIONS = {
-    "kernels": ("Kernel tests (one pytest process; bf16 and fp16 are the gpu-marked cases)", 215, 90, True),
+    "kernels": ("Kernel tests (one pytest process; bf16 and fp16 are the gpu-marked cases)", 175, 90, True),
     "linear": ("Triton linear: tails, bias, main_grad vs float64; vs cuBLAS on the 8B / 70B shards, "
-               "tp 2/4/8, M = 8192, bf16", 70, 60, True),
-    "train": ("1B preset, bf16: parallel3d Trainer vs a plain PyTorch loop", 115, 90, False),
+               "tp 2/4/8, M = 8192, bf16", 65, 60, True),
+    "train": ("1B preset, bf16: parallel3d Trainer vs a plain PyTorch loop", 85, 90, False),
     "layout3d": ("tp 2 x pp 2 x dp 2 on one device (8 processes, gloo) vs 1x1x1, fp32, 1F1B and zb-v",
-                 80, 180, False),
+                 70, 180, False),
     "cp": ("Context parallelism at cp 2, ring and all-gather (both ranks in one process) vs full SDPA, "
-           "forward and backward, bf16", 45, 90, False),
+           "forward and backward, bf16", 35, 90, False),
     "moe": ("MoE experts: Triton grouped GEMM vs torch._grouped_mm; the experts at ep 2 (both ranks in one "
-            "process) vs float64 at ep 1, forward and backward, bf16", 60, 90, True),
+            "process) vs float64 at ep 1, forward and backward, bf16", 50, 90, True),
 }
 
 

@@ -164,3 +164,20 @@ def test_the_cp_section_passes_and_catches_a_missing_block(tmp_path, monkeypatch
     rows = []
     cp_section.context_parallel(True, tmp_path, rows.append)
     assert rows[1]["check"] == "ok" and rows[2]["check"].startswith("FAIL"), rows
+
+
+def test_the_gpu_selection_leaves_out_the_autotune_test_only():
+    """On a GPU the kernels section runs every case of its files but the autotune test
+    (its 21 compiles do not fit the section's budget): collected with and without the
+    selection, the two lists differ by that one test, and gpu-marked cases remain."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _acceptance as sections
+
+    def collected(*select: str) -> set[str]:
+        done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                               *sections.KERNEL_FILES, *select], cwd=ROOT, capture_output=True, text=True)
+        return {line for line in done.stdout.splitlines() if "::" in line}
+
+    everything, selected = collected(), collected("-k", sections.GPU_SELECTION)
+    assert everything - selected == {"tests/test_kernels_linear.py::test_autotune_on_gpu_records_and_stays_correct"}
+    assert any("bf16" in name for name in selected), selected
