@@ -5,10 +5,11 @@ PyTorch loop on the same model, weights and batches.
                                  [--peak-tflops 989] [--out benchmarks/gpu_results.md]
 
 parallel3d: ``Trainer(cfg, topo, device).fit()`` as a world of one (tp = pp = dp = 1,
-zero 0, ``train.dtype bf16``: fp32 weights under bf16 autocast, its AdamW and global-norm
-clipping at 1.0); step times are the records' ``step_time_s`` (device synchronized at
+zero 0, ``train.dtype bf16``: parameters stored in bf16 with fp32 master weights in its
+AdamW, the forward under bf16 autocast, global-norm clipping at 1.0); step times are the records' ``step_time_s`` (device synchronized at
 both ends of the step, as the plain loop is timed here).
-Reference: the same ``Llama`` from the same seed, ``torch.autocast(bfloat16)``, fused
+Reference: the same ``Llama`` from the same seed with fp32 parameters, ``torch.autocast(bfloat16)``
+(so its weights round to bf16 at each GEMM, where the Trainer's are bf16 already), fused
 ``torch.optim.AdamW`` with the same settings, ``clip_grad_norm_(1.0)``, the same global
 batches (``micro-batch`` sequences per micro-batch, ``accum`` micro-batches per step).
 Rounds alternate the two sides. Printed per side: median step time after ``--warmup``
