@@ -81,6 +81,7 @@ def _print_lines(lines: list[str]) -> None:
 
 def _banner(cfg, model, world: int, backend: str, facts=None) -> list[str]:
     from parallel3d.data.stdlib import describe
+    from parallel3d.launch import job_nodes
     from parallel3d.observe.console import banner
     from parallel3d.planner.spec import layer_split
     from parallel3d.train.metrics import resolved_config
@@ -91,7 +92,8 @@ def _banner(cfg, model, world: int, backend: str, facts=None) -> list[str]:
             else describe(cfg.data))
     if facts is not None:
         data += f"; {data_use(facts, cfg)}"
-    return banner(cfg, model, world, split, backend, resolved_config(cfg).train.dtype, data)
+    return banner(cfg, model, world, split, backend, resolved_config(cfg).train.dtype, data,
+                  nodes=job_nodes(world, cfg.launch.nnodes))
 
 
 def data_use(facts, cfg) -> str:

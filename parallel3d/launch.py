@@ -10,10 +10,25 @@ calling process instead.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import uuid
 
 from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE
+
+
+def job_nodes(world: int, configured: int) -> int:
+    """The hosts a job runs on. Under a launcher, what it set: torchrun's
+    ``GROUP_WORLD_SIZE`` (its agents, one per host), else ``WORLD_SIZE`` over the processes
+    per host (``LOCAL_WORLD_SIZE``, DeepSpeed's ``LOCAL_SIZE``). Started by parallel3d
+    itself (no ``RANK`` in the environment), ``configured`` (``launch.nnodes``)."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return configured
+    if env.get("GROUP_WORLD_SIZE", "").isdigit():
+        return int(env["GROUP_WORLD_SIZE"])
+    local = env.get("LOCAL_WORLD_SIZE", env.get("LOCAL_SIZE", ""))
+    return max(1, world // int(local)) if local.isdigit() and int(local) > 0 else configured
 
 
 def launch_local(entrypoint, args: tuple, nproc: int) -> int:

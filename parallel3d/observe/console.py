@@ -54,18 +54,19 @@ def stage_lines(tp: int, pp: int, dp: int, split: list[int], virtual_stages: int
     return out
 
 
-def banner(cfg, model, world: int, split: list[int], backend: str, dtype: str, data: str) -> list[str]:
+def banner(cfg, model, world: int, split: list[int], backend: str, dtype: str, data: str,
+           nodes: int | None = None) -> list[str]:
     """The lines printed before training. ``cfg`` is the job (:class:`JobConfig`),
     ``model`` its resolved :class:`LlamaConfig`, ``split`` the layers of each pipeline
     chunk, ``backend`` / ``dtype`` as resolved for this machine, ``data`` one line on the
-    data source."""
+    data source, ``nodes`` the hosts the launcher gave (default ``launch.nnodes``)."""
     par, train, launch = cfg.parallel, cfg.train, cfg.launch
     source = f"from {cfg.model.hf_checkpoint}" if cfg.model.hf_checkpoint else f"preset {cfg.model.preset}"
     kv = f" / {model.n_kv_heads} kv-heads" if model.n_kv_heads != model.n_heads else ""
     lines = [f"parallel3d: Llama, {_count(model.num_params())} parameters ({source}: {model.n_layers} layers, "
              f"dim {model.dim}, {model.n_heads} heads{kv}, ffn {model.ffn_dim}, vocab {model.vocab_size}"
              f"{', tied embeddings' if model.tie_embeddings else ''})"]
-    nodes = launch.nnodes
+    nodes = nodes or launch.nnodes
     cp = f" x cp {par.cp} ({par.cp_comm})" if par.cp > 1 else ""
     ep = f" (ep {par.ep} of dp)" if par.ep > 1 else ""
     lines.append(f"  world     {world} ranks = tp {par.tp}{cp} x pp {par.pp} x dp {par.dp}{ep}, {nodes} node"

@@ -46,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from parallel3d.config import JobConfig
+from parallel3d.launch import job_nodes
 from parallel3d.models.llama.sharded_init import build_meta_llama
 from parallel3d.planner.hardware import FRAGMENTATION, GPU, memory_terms, usable_bytes
 from parallel3d.planner.memory import StageMemory, memory_per_stage
@@ -316,7 +317,7 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
     split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
     planned = memory_per_stage(work, layout, split)
 
-    nodes = cfg.launch.nnodes
+    nodes = job_nodes(world_size, cfg.launch.nnodes)
     active = f", {param_count(active_params(model_cfg))} active per token" if model_cfg.moe is not None else ""
     out(f"dry run: {world_size} ranks ({nodes} node{'s' if nodes > 1 else ''} x {world_size // nodes}), "
         f"model {param_count(n_params)} parameters{active} (each rank's modules built on the meta device, "
