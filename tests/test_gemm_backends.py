@@ -153,3 +153,37 @@ def test_shapes_of_a_tensor_parallel_model_and_cpu_is_a_no_op():
     assert linear_gemm_shapes(model, 256) == [(256, 32, 32), (256, 32, 48)]
     assert prepare_linear_backends(model, ParallelConfig(tp=2), TrainConfig(), 2, torch.device("cpu")) is None
     assert tables.backend_choices() == {}
+
+
+def test_the_wgrad_is_timed_as_training_runs_it_and_before_the_optimizer_allocates(monkeypatch, tmp_path,
+                                                                                    corpus_dir):
+    """On CUDA rank 0 times the wgrad into an fp32 main_grad where training adds into one
+    (bf16 weights at ZeRO 0 / 1), plain where it does not (ZeRO 2, fp32); and the trainer
+    asks for the measurement while its model is still on the meta device, before the
+    optimizer's buffers exist: the timing's temporaries never stack on the model state."""
+    from helpers import tiny_job
+    from parallel3d.config import ParallelConfig, TrainConfig, config_from_dict
+    from parallel3d.tensor_parallel import gemm_backends
+    from parallel3d.topology import Topology
+    from parallel3d.train import trainer as trainer_module
+
+    cuda = torch.device("cuda", 0)  # only its type is read: nothing is allocated on it
+    seen = []
+    monkeypatch.setattr(gemm_backends, "agree_on_gemm_backends",
+                        lambda shapes, dtype, device, group, measure: seen.append((dtype, measure.keywords)))
+    model = torch.nn.Sequential(gemm_backends.ColumnParallelLinear.from_dense(torch.nn.Linear(8, 16), None))
+    for zero, dtype, fused in ((1, "bf16", True), (0, "auto", True), (2, "bf16", False), (1, "fp32", False)):
+        seen.clear()
+        gemm_backends.prepare_linear_backends(model, ParallelConfig(tp=2, zero=zero), TrainConfig(dtype=dtype), 2, cuda)
+        assert seen == [(torch.float32 if dtype == "fp32" else torch.bfloat16, {"fuse_main_grad": fused})]
+
+    states = []
+
+    def spy(model, parallel_cfg, train_cfg, tp, device, group=None):
+        states.append(({p.device.type for p in model.parameters()}, hasattr(trainer, "optimizer")))
+
+    monkeypatch.setattr(trainer_module, "prepare_linear_backends", spy)
+    cfg = config_from_dict(tiny_job(corpus_dir, str(tmp_path)))
+    trainer = trainer_module.Trainer.__new__(trainer_module.Trainer)
+    trainer.__init__(cfg, Topology.single(), log=False)
+    assert states == [({"meta"}, False)]

@@ -19,6 +19,8 @@ the trainer calls once, after the model is on its device.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
@@ -85,9 +87,17 @@ def prepare_linear_backends(model: torch.nn.Module, parallel_cfg, train_cfg, tp:
     """Measure and agree on the GEMM backends of ``model`` if "auto" can pick Triton here:
     tp > 1 (only the tensor-parallel layers use these GEMMs), linear_backend "auto", a
     CUDA device. Every rank must call it (it is collective). The GEMMs run in bf16 under
-    ``train.dtype`` bf16 or auto on CUDA, else in fp32."""
+    ``train.dtype`` bf16 or auto on CUDA, else in fp32; the weight gradient is timed as
+    training runs it: added into an fp32 ``main_grad`` where the gradient buffer gives the
+    layers one (low-precision weights at ZeRO 0 and 1, ``zero/grads.py``).
+
+    Call it before the optimizer allocates (the model may still be on the meta device:
+    only the weights' shapes are read), so that rank 0's timing temporaries (the head's
+    output at M tokens is GBs) do not add to the model state's peak."""
     if tp == 1 or parallel_cfg.linear_backend != "auto" or device.type != "cuda":
         return None
     dtype = torch.bfloat16 if train_cfg.dtype in ("bf16", "auto") else torch.float32
+    fuse = dtype != torch.float32 and parallel_cfg.zero in (0, 1)
     shapes = linear_gemm_shapes(model, train_cfg.micro_batch * train_cfg.seq_len)
-    return agree_on_gemm_backends(shapes, dtype, device, group)
+    return agree_on_gemm_backends(shapes, dtype, device, group,
+                                  measure=partial(measure_linear_backends, fuse_main_grad=fuse))

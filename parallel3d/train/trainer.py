@@ -93,15 +93,16 @@ class Trainer:
         self.model, self.loss_fn = family.build_meta(self.model_cfg, topo, cfg.parallel)
         apply_lora(self.model, cfg, topo)  # [lora]: adapters on the targets, the rest frozen (rank 0: no change)
         family.apply_recompute(self.model, cfg.train.recompute)
+        # linear_backend "auto" on CUDA: rank 0 times Triton against cuBLAS per GEMM shape
+        # and every rank adopts its table (collective; nothing to do on CPU or at tp 1);
+        # before anything is allocated, so that its temporaries do not add to the peak.
+        prepare_linear_backends(self.model, cfg.parallel, cfg.train, topo.tp, self.device)
         self.timeline = Timeline(self.device, cfg.run.trace_steps)
         self.moe = MoESteps.of(self.model, self.model_cfg, topo, cfg.parallel, self.timeline, cfg.train, self.device)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.train, cfg.parallel, topo,
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
         materialize_(self.model, self.device, self.dtype)  # what the optimizer does not hold (LoRA: the frozen weights)
-        # linear_backend "auto" on CUDA: rank 0 times Triton against cuBLAS per GEMM shape
-        # and every rank adopts its table (collective; nothing to do on CPU or at tp 1).
-        prepare_linear_backends(self.model, cfg.parallel, cfg.train, topo.tp, self.device)
         if not self.checkpointer.has_weights_to_load():
             family.initialize_(self.model, cfg.train.seed)
         else:
