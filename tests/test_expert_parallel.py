@@ -102,23 +102,31 @@ def test_moe_decoder_at_ep2_equals_one_process(pools):
             assert (grad - ref.get_parameter(name).grad).abs().max() < 1e-5, name
 
 
+def _ranks_topology(group):
+    """What :func:`finish_moe_step` reads of a topology: the tokens' data-parallel group."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(dp_cp_group=group, tp=1, tp_rank=0)
+
+
 def _bias_update_rank(cfg: dict, state: dict, x_all: torch.Tensor):
     import torch.distributed as dist
 
-    from parallel3d.models.moe.parallelize import update_expert_biases_
+    from parallel3d.models.moe.parallelize import finish_moe_step
 
     block = MoEBlock(MoEConfig(**cfg), DIM)
     block.load_state_dict(state)
     for micro in x_all[dist.get_rank()]:  # two micro-batches of this rank's tokens
         block(micro[None])
-    imbalance = update_expert_biases_(block, dist.group.WORLD)
-    return block.gate.expert_bias, imbalance, block.step_counts
+    parts = finish_moe_step(block, _ranks_topology(dist.group.WORLD), sequence_parallel=False)
+    return block.gate.expert_bias, float(parts["imbalance"]), block.step_counts
 
 
 def test_expert_bias_update_from_global_counts(pools):
     """2 ranks, 2 micro-batches each: both ranks move their bias as one process would
-    from all 4 micro-batches' counts, and the counts start again from nothing."""
-    from parallel3d.models.moe.parallelize import update_expert_biases_
+    from all 4 micro-batches' counts (the trainer's step end, ``finish_moe_step``), and
+    the counts start again from nothing."""
+    from parallel3d.models.moe.parallelize import finish_moe_step
 
     cfg = dict(n_experts=8, top_k=2, ffn_dim=8, score_func="sigmoid", expert_bias=True, bias_update_rate=0.01)
     torch.manual_seed(9)
@@ -126,11 +134,14 @@ def test_expert_bias_update_from_global_counts(pools):
     x_all = torch.randn(2, 2, 6, DIM)
     for micro in x_all.flatten(0, 1):
         ref(micro[None])
-    want = update_expert_biases_(ref, None)
-    assert set(want) == {""} and want[""] > 1.0 and ref.step_counts is None
-    for bias, imbalance, counts in pools(2).run(_bias_update_rank, cfg, ref.state_dict() | {
+    counts = ref.step_counts.clone().double()
+    want = float(finish_moe_step(ref, _ranks_topology(None), sequence_parallel=False)["imbalance"])
+    # The rule by hand from the counts: +rate below the mean, -rate above, 0 at it.
+    assert torch.equal(ref.gate.expert_bias, (0.01 * torch.sign(counts.mean() - counts)).float())
+    assert want == float(counts.max() / counts.mean()) and want > 1.0 and ref.step_counts is None
+    for bias, imbalance, step_counts in pools(2).run(_bias_update_rank, cfg, ref.state_dict() | {
             "gate.expert_bias": torch.zeros(8)}, x_all):
-        assert torch.equal(bias, ref.gate.expert_bias) and imbalance == want and counts is None
+        assert torch.equal(bias, ref.gate.expert_bias) and imbalance == want and step_counts is None
     assert ref.gate.expert_bias.abs().sum() > 0
 
 

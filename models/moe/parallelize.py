@@ -8,7 +8,7 @@ layer stay replicated: their gradients are those of this rank's tokens, reduced 
 data-parallel ranks as any dense weight; an expert's gradient already sums the rows of
 every rank of its expert group (reduced over the ranks holding the same expert, dp / ep).
 
-:func:`update_expert_biases_` is DeepSeek-V3's aux-loss-free step: each expert's selection
+:func:`finish_moe_step` takes DeepSeek-V3's aux-loss-free step: each expert's selection
 bias moves by ``rate * sign(mean(n) - n_i)``, ``n`` the assignments of the whole step,
 summed over the micro-batches this rank ran (each block's ``step_counts``) and over the
 ranks that routed different tokens (dp x cp). Every rank computes the same update from
@@ -171,21 +171,3 @@ def finish_moe_step(model: nn.Module, topo, sequence_parallel: bool) -> dict[str
     for b in blocks:
         b.step_counts = b.step_dropped = b.step_aux = None
     return out
-
-
-@torch.no_grad()
-def update_expert_biases_(model: nn.Module, group) -> dict[str, float]:
-    """For each :class:`MoEBlock` of ``model`` that ran since the last call: all-reduce its
-    step counts over ``group`` (None: this rank's alone), move its ``expert_bias`` (if it
-    has one) by ``bias_update_rate``, reset the counts. Returns each block's max / mean
-    assignments per expert over the step (1: balanced), by module name."""
-    imbalance = {}
-    for name, block in model.named_modules():
-        if not isinstance(block, MoEBlock) or block.step_counts is None:
-            continue
-        counts = all_reduce(block.step_counts.clone(), group)
-        block.step_counts = None
-        if block.gate.expert_bias is not None:
-            update_expert_bias_(block.gate.expert_bias, counts, block.cfg.bias_update_rate)
-        imbalance[name] = (counts.max() / counts.float().mean()).item()
-    return imbalance
