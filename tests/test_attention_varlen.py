@@ -87,9 +87,18 @@ def test_the_varlen_path_gives_the_masked_paths_outputs_and_gradients(monkeypatc
     masked, masked_grads = run()
     calls = []
     monkeypatch.setattr(llama_model, "varlen_runs_on", lambda h, hd: calls.append(hd) or True)
-    monkeypatch.setattr(documents, "_varlen_kernel", lambda: _reference_varlen)
+    flat_inputs = []
+
+    def kernel(q, k, v, *args, **kwargs):
+        flat_inputs.append([t._is_view() for t in (q, k, v)])
+        return _reference_varlen(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(documents, "_varlen_kernel", lambda: kernel)
     varlen, varlen_grads = run(cu_seqlens=cu, max_doc_len=longest)
     assert calls, "the varlen path was not taken"
+    # (T, h, hd) q, k, v are views of what the projections and the rotation wrote (the
+    # rotation keeps the projection's (B, S, h, hd) order): no copy before the kernel
+    assert flat_inputs == [[True, True, True]] * cfg.n_layers, flat_inputs
     # fp32: one SDPA per document against one masked SDPA over the window, the same
     # products summed in another order (a few ulps of fp32 through two layers)
     torch.testing.assert_close(varlen, masked, rtol=1e-5, atol=1e-5)
