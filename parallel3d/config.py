@@ -98,7 +98,8 @@ class ParallelConfig:
     virtual_stages: int | None = None
     pp_layers: list[int] | None = None  # layers per chunk, by hand; default: the balanced rule
     # ZeRO: 0 replicates optimizer state; 1 shards it (fp32 master weights and Adam
-    # moments) over the dp ranks; 2 also shards the gradients.
+    # moments) over the dp ranks; 2 also shards the gradients; 3 the parameters too (each
+    # module's buckets all-gathered before its forward and its backward, freed after).
     zero: ZeroStage = 0
     offload_optimizer: bool = False  # zero >= 1: master weights, moments and the Adam step on CPU
     bucket_mb: float = 25.0  # zero >= 1: fp32 gradient bucket size for reduce-scatter/all-gather

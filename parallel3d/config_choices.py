@@ -22,7 +22,7 @@ from parallel3d.errors import UserError, did_you_mean
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]  # pipeline.schedules.SCHEDULES
 LinearBackend = Literal["auto", "triton", "torch"]  # kernels.gemm.BACKENDS
 CpComm = Literal["auto", "allgather", "ring"]  # context_parallel attention modes
-ZeroStage = Literal[0, 1, 2]
+ZeroStage = Literal[0, 1, 2, 3]
 ReduceDtype = Literal["fp32", "bf16"]  # zero.grads.REDUCE_DTYPES
 Dtype = Literal["auto", "fp32", "bf16"]  # train.optim.STORAGE_DTYPES
 Recompute = Literal["none", "full", "selective"]  # parallelize.RECOMPUTE, flops.RECOMPUTE_FLOPS

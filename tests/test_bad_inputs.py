@@ -69,7 +69,7 @@ ROWS = [
      "parallel.pp_layers"),
     ("sequence-parallel-seq", ["train", "--parallel.tp=2", "--parallel.dp=1", "--parallel.sequence_parallel=true",
                                "--train.seq_len=33"], {}, "train.seq_len 33 is not divisible by parallel.tp 2"),
-    ("zero-3", ["train", "--parallel.zero=3"], {}, "parallel.zero 3 is not supported: use 0, 1, 2"),
+    ("zero-4", ["train", "--parallel.zero=4"], {}, "parallel.zero 4 is not supported: use 0, 1, 2, 3"),
     ("offload-without-zero", ["train", "--parallel.offload_optimizer=true"], {}, "needs the sharded optimizer"),
     ("bucket-size", ["train", "--parallel.bucket_mb=0"], {}, "parallel.bucket_mb must be positive"),
     ("linear-backend", ["train", "--parallel.linear_backend=cutlass"], {}, "parallel.linear_backend 'cutlass'"),

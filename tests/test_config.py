@@ -76,9 +76,9 @@ def test_a_misspelt_choice_is_one_line_with_the_nearest_value_and_all_allowed(ca
 @pytest.mark.parametrize("args,message", [
     (["--train.recompute=ful"], "train.recompute 'ful' is not supported (did you mean 'full'?): "
                                 "use none, full, selective"),
-    (["--parallel.zero=3"], "parallel.zero 3 is not supported: use 0, 1, 2"),
+    (["--parallel.zero=4"], "parallel.zero 4 is not supported: use 0, 1, 2, 3"),
     (["--parallel.zero=true"], "parallel.zero True is not supported"),  # a bool is not the int 1
-    (["--parallel.zero='1'"], "parallel.zero '1' is not supported: use 0, 1, 2"),
+    (["--parallel.zero='1'"], "parallel.zero '1' is not supported: use 0, 1, 2, 3"),
     (["--observability.progress=yes"], "observability.progress 'yes' is not supported: use auto, on, off"),
 ])
 def test_choices_are_checked_as_the_config_loads(args, message):

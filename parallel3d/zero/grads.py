@@ -117,7 +117,7 @@ class GradReducer:
         self.shard_rank = replicas.rank if stage > 0 else 0
         self.group = replicas.group  # None at one replica: nothing to reduce
         self.trace: list | None = None
-        self.on_issue = self.on_done = None
+        self.on_issue = self.on_done = self.on_ready = None
         self.full = None
         if stage in (0, 1):
             self.full = torch.zeros(layout.numel, dtype=torch.float32, device=device)
@@ -275,7 +275,7 @@ class GradReducer:
         self._arriving[i] = False
         if self.trace is not None:
             self.trace.append(("grad", i))
-        if self.stage == 2:
+        if self.stage >= 2:  # stage 3 reduces its gradients as stage 2 does
             self._on_grad_stage2(i)
             return
         if p.dtype != torch.float32:  # a low-precision param: accumulate into the fp32 buffer
@@ -302,6 +302,8 @@ class GradReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         b, _ = self.layout.location[i]
         self._ready[b] += 1
+        if self.on_ready is not None and self._ready[b] == len(self.layout.buckets[b].segments):
+            self.on_ready(b)  # (stage 3 frees the bucket's gathered parameters)
         while self._next < len(self._ready) and \
                 self._ready[self._next] == len(self.layout.buckets[self._next].segments):
             self._issue_packed(self._next)

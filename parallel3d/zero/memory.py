@@ -52,8 +52,8 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
 
     held = _optimizer_tensors(optimizer)
     params = list(model.parameters())
-    out = {
-        "params": count(params),
+    out = {  # (a ZeRO-3 optimizer holds the parameters' shards; their full storage is freed)
+        "params": count(params + held.get("params", [])),
         "grads": count([p.grad for p in params if p.grad is not None] + held["grads"]),
         "optimizer_state": count(held["optimizer_state"]),
     }

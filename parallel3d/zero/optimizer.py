@@ -47,6 +47,7 @@ from parallel3d.topology import Topology
 from .adam import CpuOffloadAdamW, FlatAdamW
 from .buckets import BucketLayout
 from .grads import GradReducer
+from .params import ShardedParams
 
 
 def _unique(params) -> list[torch.nn.Parameter]:
@@ -74,7 +75,9 @@ class ZeroOptimizer(GlobalNormOptimizer):
             new parameter objects, uninitialised views of the buffer; fill them (seeded
             init, a checkpoint) and call :meth:`take_masters`. The full parameters never
             exist twice.
-        stage: 0, 1 or 2.
+        stage: 0, 1, 2 or 3 (the parameters sharded too, :mod:`parallel3d.zero.params`:
+            gathered bucket by bucket around each module's forward and backward; needs
+            ``model``).
         bucket_mb: bucket size in MiB of fp32 gradient.
         replicas: the ranks holding the same ``params`` (default ``topo.replicas()``, dp x
             cp); the experts' optimizer passes ``topo.expert_replicas()``.
@@ -100,8 +103,10 @@ class ZeroOptimizer(GlobalNormOptimizer):
                  replicas=None, grad_divisor: int | None = None, materialize_rest: bool = True):
         if stage not in typing.get_args(ZeroStage):  # a caller other than the config's
             raise ValueError(f"ZeroOptimizer stage must be one of {typing.get_args(ZeroStage)}, got {stage}")
-        if offload and stage == 0:
+        if offload and stage in (0, 3):
             raise ValueError("the CPU-offloaded optimizer needs stage 1 or 2")
+        if stage == 3 and model is None:
+            raise ValueError("ZeRO stage 3 needs the model (its modules gather their parameters)")
         self.params = _unique(params)
         self.cfg, self.topo, self.stage, self.offload = cfg, topo, stage, offload
         self.timeline = timeline
@@ -145,7 +150,10 @@ class ZeroOptimizer(GlobalNormOptimizer):
         # called before apply() changes a weight or a moment: a background checkpoint
         # copying them from the training thread's tensors (CheckpointWriter.wait_copied)
         self.before_update: list = []
-        if self._overlap_gather and self.shards_over_dp and self.dp_group is not None:
+        if stage == 3:
+            self.sharded.hook(model, self.params)
+            self.reducer.on_ready = self.sharded.bucket_done
+        elif self._overlap_gather and self.shards_over_dp and self.dp_group is not None:
             self._hook_forward(model)
 
     # -- construction ----------------------------------------------------------------------
@@ -154,16 +162,23 @@ class ZeroOptimizer(GlobalNormOptimizer):
         """The flat parameter buffer (every parameter becomes a view of it: copied in, or,
         for meta parameters, placed there uninitialised) and the fp32 master shards."""
         layout = self.layout
-        self.param_buffer = torch.zeros(layout.numel, dtype=param_dtype, device=device)
-        self.param_shards = []
-        for b in layout.buckets:
-            lo, hi = b.shard_range(self.shard_rank)
-            self.param_shards.append(self.param_buffer[b.offset + lo:b.offset + hi])
-        views = []
-        for i, p in enumerate(self.params):
-            b, seg = layout.location[i]
-            start = layout.buckets[b].offset + seg.start
-            views.append(self.param_buffer[start:start + seg.numel].view(p.shape))
+        self.sharded = None
+        if self.stage == 3:  # each bucket's full storage apart, freed while not in use
+            self.sharded = ShardedParams(layout, len(self.params), self.shard_rank, self.dp_group,
+                                         device, param_dtype)
+            self.param_buffer, self.param_shards = None, self.sharded.shards
+            views = self.sharded.views([p.shape for p in self.params])
+        else:
+            self.param_buffer = torch.zeros(layout.numel, dtype=param_dtype, device=device)
+            self.param_shards = []
+            for b in layout.buckets:
+                lo, hi = b.shard_range(self.shard_rank)
+                self.param_shards.append(self.param_buffer[b.offset + lo:b.offset + hi])
+            views = []
+            for i, p in enumerate(self.params):
+                b, seg = layout.location[i]
+                start = layout.buckets[b].offset + seg.start
+                views.append(self.param_buffer[start:start + seg.numel].view(p.shape))
         if meta_model is not None:
             if not all(p.is_meta for p in self.params):
                 raise ValueError("parameters must be all on the meta device or none")
@@ -189,11 +204,18 @@ class ZeroOptimizer(GlobalNormOptimizer):
     def take_masters(self) -> None:
         """fp32 master weights <- this rank's shard of the parameters' current values (at
         construction from real parameters; the trainer calls it once the parameters are
-        initialised or loaded). Nothing to do when fp32 parameters are their own masters."""
+        initialised or loaded). Nothing to do when fp32 parameters are their own masters.
+        Stage 3: the shards are taken from the full buckets first, which are then freed."""
+        if self.sharded is not None:
+            self.sharded.shard_from_full()
         if self.master_is_param:
+            if self.sharded is not None:
+                self.sharded.free_all()
             return
         for b, master in zip(self.layout.buckets, self.masters):
             master.copy_(self.param_shards[b.index])
+        if self.sharded is not None:
+            self.sharded.free_all()
 
     def _build_partial_pieces(self) -> None:
         """(slice of the gradient shard, p3d_tp_shared) for parameters marked
@@ -265,7 +287,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         pieces: the other shards and model parts are counted on other ranks; at stage 0,
         where every dp rank holds the same average, dp rank 0 counts it)."""
         with comm_span(self.timeline, "grad sync"):
-            self.wait_for_params()
+            self._wait_gathers(list(self._gathers))  # (apply() writes the shards)
             self.reducer.reduced()  # fp32, this rank's shard, averaged over dp
             if self._tied_views:
                 # the embedding (first stage) and the head (last stage) are one tensor: both
@@ -304,7 +326,13 @@ class ZeroOptimizer(GlobalNormOptimizer):
         dp rank.
 
         Buckets are sent last-first: the last bucket holds the first layers, which the
-        next forward pass needs first."""
+        next forward pass needs first. Stage 3 gathers nothing: every full bucket, now
+        stale, is freed, and the forward gathers what it reads."""
+        if self.sharded is not None:
+            if not self.master_is_param:
+                torch._foreach_copy_(self.param_shards, self.masters)
+            self.sharded.free_all()
+            return
         for b in reversed(range(len(self.layout.buckets))):
             if not self.master_is_param:
                 self.param_shards[b].copy_(self.masters[b], non_blocking=True)
@@ -326,8 +354,11 @@ class ZeroOptimizer(GlobalNormOptimizer):
     def finish_param_gather(self) -> None:
         """Block until every parameter holds the values of the last step: whatever reads
         the parameters outside the next forward pass (a checkpoint, an evaluation, an
-        export, the gradient norm, a caller after the last step) calls it first."""
+        export, the gradient norm, a caller after the last step) calls it first. Stage 3:
+        every bucket gathered, and held until the next update frees them."""
         self._wait_gathers(list(self._gathers))
+        if self.sharded is not None:
+            self.sharded.gather_all()
 
     wait_for_params = finish_param_gather  # the name the checkpoints and older callers use
 
@@ -336,6 +367,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
         any all-gather in flight: the buffers are freed once the optimizer is dropped."""
         self.wait_for_params()
         self.reducer.release()
+        if self.sharded is not None:
+            self.sharded.release()
 
     # -- inspection and checkpoints --------------------------------------------------------------
     @property
@@ -354,7 +387,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
         grads = self.reducer.memory_tensors()
         if self.offload and self._grad_host is not self.reducer.shard:
             grads.append(self._grad_host)
-        return {"grads": grads, "optimizer_state": state}
+        params = [self.sharded.shard_flat] if self.sharded is not None else []
+        return {"grads": grads, "optimizer_state": state, "params": params}
 
     def state_dict(self) -> dict:
         """This rank's shard: master weights (when they are not the parameters), moments,

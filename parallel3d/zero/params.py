@@ -1,0 +1,230 @@
+"""ZeRO stage 3: the parameters sharded over the data-parallel replicas too.
+
+Each rank keeps, persistently, only its shard of every bucket's flat parameters (the same
+``[r * N_b/dp, (r+1) * N_b/dp)`` ranges as the optimizer state, :mod:`.buckets`). Every
+bucket also has a full flat tensor of its own whose storage exists only while the bucket
+is gathered: the parameters are views of it, so autograd's saved tensors (a weight a GEMM
+keeps for its input gradient) point into it, and freeing is resizing its storage to 0
+bytes (the tensors stay valid; a later gather re-allocates and refills the same storage,
+its version counter kept as it was, so autograd sees the weight it saved)::
+
+    per rank, persistently      sum_b N_b / dp         (the shards, in the storage dtype)
+    while a bucket is gathered  + N_b                  (its full storage)
+
+When (hooks on every module holding parameters, through :meth:`ShardedParams.hook`):
+
+- forward pre-hook: the module's buckets (those of the layers it computes together with,
+  ``shared_input``) are all-gathered over the replicas and waited for; the next bucket in
+  forward order (the next lower index: buckets hold parameters in reverse order) is
+  prefetched (its all-gather issued, not waited for);
+- forward post-hook: a bucket whose last user (registration order) this module is, is
+  freed; a hook goes on the module's outputs for its backward;
+- the output's gradient hook (before the module's backward nodes run): the buckets are
+  gathered again and held for this backward pass, the next bucket of the backward order
+  prefetched;
+- a bucket's gradients all in for this backward pass (:class:`~.grads.GradReducer` calls
+  :meth:`ShardedParams.bucket_done`): freed; at the end of every backward pass (an autograd
+  callback) everything not held by a forward is freed (a zero-bubble B, whose weight
+  gradients wait for the W, frees there: a W reads the layer's input and output gradient,
+  never its weights).
+
+A bucket freed too early is only gathered again (more traffic, never wrong values): each
+use gathers what it reads. :meth:`gather_all` holds every bucket gathered until
+:meth:`free_all` (whatever reads the parameters outside a forward: a checkpoint, an
+export; the optimizer frees them when the update changes the shards).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from parallel3d.distributed import all_gather_flat
+
+from .buckets import BucketLayout
+
+
+class ShardedParams:
+    """The gathered / freed state of every bucket's full parameters (see the module doc).
+
+    ``trace``, when a list, records ``("gather", b)``, ``("wait", b)`` and ``("free", b)``;
+    ``on_change()``, when set, is called after every gather and free (the memory test
+    samples the live parameter bytes there)."""
+
+    def __init__(self, layout: BucketLayout, n_params: int, shard_rank: int, group, device, dtype):
+        self.layout, self.group, self.shard_rank = layout, group, shard_rank
+        self.full = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        self.shard_flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self.shards = [self.shard_flat[o:o + b.shard_numel]
+                       for o, b in zip(layout.shard_offsets(), layout.buckets)]
+        self._nbytes = [t.untyped_storage().nbytes() for t in self.full]
+        n = len(layout.buckets)
+        self.gathered = [True] * n  # allocated at start: the init or a checkpoint fills them
+        self._work: dict[int, object] = {}
+        self._forward_refs = [0] * n
+        self._backward_held: set[int] = set()
+        self.read_held = False
+        self._callback_queued = False
+        self._handles: list = []
+        self._first_user: dict[int, int] = {}  # bucket -> its first module (registration order)
+        self.trace: list | None = None
+        self.on_change = None
+
+    def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
+        """Parameter i's view of its bucket's full storage."""
+        out = []
+        for i, shape in enumerate(shapes):
+            b, seg = self.layout.location[i]
+            out.append(self.full[b][seg.start:seg.end].view(shape))
+        return out
+
+    # -- gather and free ------------------------------------------------------------------
+    def _note(self, kind: str, b: int) -> None:
+        if self.trace is not None:
+            self.trace.append((kind, b))
+
+    @torch.no_grad()
+    def _issue(self, b: int) -> None:
+        if self.gathered[b] or b in self._work:
+            return
+        full = self.full[b]
+        full.untyped_storage().resize_(self._nbytes[b])
+        self._note("gather", b)
+        with torch.autograd._unsafe_preserve_version_counter(full):
+            if self.group is None:
+                full.copy_(self.shards[b])
+                self._work[b] = None
+            else:
+                self._work[b] = all_gather_flat(full, self.shards[b], group=self.group, async_op=True)
+        if self.on_change is not None:
+            self.on_change()
+
+    @torch.no_grad()
+    def _wait(self, b: int) -> None:
+        if self.gathered[b]:
+            return
+        self._issue(b)
+        work = self._work.pop(b)
+        if work is not None:
+            with torch.autograd._unsafe_preserve_version_counter(self.full[b]):
+                work.wait()
+        self._note("wait", b)
+        self.gathered[b] = True
+
+    def gather(self, buckets, prefetch: int | None = None) -> None:
+        """Issue every bucket's all-gather (and the prefetched one's), then wait for them."""
+        for b in buckets:
+            self._issue(b)
+        if prefetch is not None and 0 <= prefetch < len(self.full):
+            self._issue(prefetch)
+        for b in buckets:
+            self._wait(b)
+
+    def _free(self, b: int) -> None:
+        if b in self._work:  # a prefetch nobody used: finish it before dropping the storage
+            self._wait(b)
+        if not self.gathered[b]:
+            return
+        self.full[b].untyped_storage().resize_(0)
+        self.gathered[b] = False
+        self._note("free", b)
+        if self.on_change is not None:
+            self.on_change()
+
+    def _maybe_free(self, b: int) -> None:
+        if not self.read_held and self._forward_refs[b] == 0 and b not in self._backward_held:
+            self._free(b)
+
+    def free_all(self) -> None:
+        """Drop every full bucket (the shards changed, or the parameters were read)."""
+        self.read_held = False
+        self._backward_held.clear()
+        for b in range(len(self.full)):
+            self._free(b)
+
+    def gather_all(self) -> None:
+        """Every bucket gathered and held until :meth:`free_all`."""
+        self.gather(range(len(self.full)))
+        self.read_held = True
+
+    @torch.no_grad()
+    def shard_from_full(self) -> None:
+        """Shards <- this rank's ranges of the full buckets (after the init or a load)."""
+        for b, bucket in enumerate(self.layout.buckets):
+            lo, hi = bucket.shard_range(self.shard_rank)
+            self.shards[b].copy_(self.full[b][lo:hi])
+
+    def bucket_done(self, b: int) -> None:
+        """Bucket ``b``'s gradients of this backward pass are all in: its parameters are
+        not read again by this pass."""
+        self._backward_held.discard(b)
+        self._maybe_free(b)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def hook(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
+        """Forward pre/post hooks on every module reading parameters of ``params``."""
+        index = {id(p): i for i, p in enumerate(params)}
+        users = []
+        for module in model.modules():
+            shared = getattr(module, "shared_input", None)
+            readers = shared.layers if shared is not None else [module]
+            buckets = sorted({self.layout.location[index[id(p)]][0]
+                              for m in readers for p in m.parameters(recurse=False) if id(p) in index})
+            if buckets:
+                users.append((module, buckets))
+        last_user = {b: k for k, (_, buckets) in enumerate(users) for b in buckets}
+        self._first_user = {b: k for k, (_, buckets) in reversed(list(enumerate(users))) for b in buckets}
+        for k, (module, buckets) in enumerate(users):
+            frees = [b for b in buckets if last_user[b] == k]
+            self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, buckets)))
+            self._handles.append(module.register_forward_hook(partial(self._post_forward, (k, buckets), frees)))
+
+    def release(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre_forward(self, buckets, module, args) -> None:
+        self.gather(buckets, prefetch=buckets[0] - 1)
+        for b in buckets:
+            self._forward_refs[b] += 1
+
+    def _post_forward(self, user, frees, module, args, output) -> None:
+        buckets = user[1]
+        for b in buckets:
+            self._forward_refs[b] -= 1
+        if torch.is_grad_enabled():
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, user))
+        for b in frees:
+            self._maybe_free(b)
+
+    def _pre_backward(self, user, grad) -> None:
+        """Before the backward of module ``k`` (registration order), which reads
+        ``buckets``. Autograd runs a pass's nodes in reverse order of creation, so the
+        modules after ``k`` in forward order are done with this pass: a bucket held for
+        them alone is freed (a zero-bubble B gets no gradients to say so; its W reads no
+        weight)."""
+        k, buckets = user
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        for b in [b for b in self._backward_held if self._first_user[b] > k]:
+            self.bucket_done(b)
+        self.gather(buckets, prefetch=buckets[-1] + 1)
+        self._backward_held.update(buckets)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._backward_held.clear()
+        for b in range(len(self.full)):
+            self._maybe_free(b)
+
+    # -- inspection -----------------------------------------------------------------------
+    def live_bytes(self) -> int:
+        """Bytes of parameter storage this rank holds now: the shards and every full
+        bucket with storage (gathered or being gathered)."""
+        return self.shard_flat.untyped_storage().nbytes() + sum(t.untyped_storage().nbytes() for t in self.full)

@@ -1,0 +1,169 @@
+"""ZeRO 3 (``parallel.zero = 3``): parameters sharded over dp, gathered bucket by bucket
+around each module's forward and backward, freed after (issue 38).
+
+Per-step losses and the final weights at dp 2, dp 4 and tp 2 x pp 2 x dp 2 (1F1B and
+zb-h1) against one process; the parameter bytes a rank holds during a step against
+1/dp of the model plus the buckets in flight; checkpoints resumed zero 2 -> 3 -> 2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parallel3d.config import config_from_dict
+from parallel3d.topology import Topology
+from parallel3d.train.trainer import Trainer
+
+from helpers import WEIGHT_RTOL, relative_diff, tiny_job
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+STEPS = 6
+CLIP = 0.5  # below this model's norms (0.8 - 1.5): clipping bites, the norm must be right
+# 0.02 MiB of fp32 = 5242 elements: ~10 buckets, parameters straddling shard boundaries
+SMALL_BUCKET_MB = 0.02
+
+
+def _job(corpus_dir, run_dir, steps=STEPS, **parallel) -> dict:
+    # vocab 515: odd, so tp pads it; global 16 / (micro 2 * dp 2) = 4 micro-batches >= pp
+    return tiny_job(corpus_dir, run_dir, model={"vocab_size": 515, "n_layers": 4},
+                    train={"steps": steps, "global_batch": 16, "micro_batch": 2, "grad_clip": CLIP},
+                    parallel={"bucket_mb": SMALL_BUCKET_MB, **parallel})
+
+
+def _shard_info(p):
+    return {"dim": getattr(p, "p3d_tp_dim", None), "range": getattr(p, "p3d_tp_range", None),
+            "full": getattr(p, "p3d_tp_full", None)}
+
+
+class _ParamBytes:
+    """Samples, at every gather and free of a ZeRO-3 optimizer, the parameter bytes the
+    rank holds (from the storages, :func:`parallel3d.zero.memory_report`) and the formula's
+    figure: this rank's shards (1/dp of the padded model) plus the full buckets with
+    storage (gathered or arriving)."""
+
+    def __init__(self, trainer):
+        from parallel3d.zero import memory_report
+
+        self.model, self.opt, self.report = trainer.model, trainer.optimizer, memory_report
+        self.samples: list[tuple[int, int, int]] = []  # (measured, formula, buckets in flight)
+        self.opt.sharded.on_change = self.sample
+
+    def sample(self) -> None:
+        sharded, layout = self.opt.sharded, self.opt.layout
+        held = [b for b, t in zip(layout.buckets, sharded.full) if t.untyped_storage().nbytes() > 0]
+        element = sharded.shard_flat.element_size()
+        formula = element * (layout.numel // layout.dp + sum(b.numel for b in held))
+        self.samples.append((self.report(self.model, self.opt)["params"], formula, len(held)))
+
+
+def _train(job: dict) -> dict:
+    cfg = config_from_dict(job)
+    topo = Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp)
+    trainer = Trainer(cfg, topo)
+    meter = _ParamBytes(trainer) if cfg.parallel.zero == 3 else None
+    history = []
+    for _ in range(cfg.train.steps):
+        history.append(trainer.train_step())
+    if meter is not None:  # after the update: the shards alone
+        meter.opt.sharded.on_change = None
+        meter.sample()
+    trainer.close()  # gathers the parameters for the caller
+    params = {n: (p.detach().clone(), _shard_info(p)) for n, p in trainer.model.named_parameters()}
+    opt = trainer.optimizer
+    return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
+            "params": params, "samples": meter.samples if meter else None,
+            "numel": opt.layout.numel, "n_buckets": len(opt.layout.buckets),
+            "largest_bucket": max(b.numel for b in opt.layout.buckets), "dp": opt.layout.dp}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus_dir, tmp_path_factory):
+    cfg = config_from_dict(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
+    trainer = Trainer(cfg, Topology.single())
+    history = trainer.fit()
+    return {"losses": [h["loss"] for h in history], "norms": [h["grad_norm"] for h in history],
+            "weights": {n: p.detach().clone() for n, p in trainer.model.named_parameters()}}
+
+
+def _full_slice(info: dict, full: torch.Tensor) -> torch.Tensor:
+    dim = info["dim"]
+    if dim is None:
+        return full
+    start, stop = info["range"]
+    pad = info["full"] - full.shape[dim]
+    if pad:  # vocab padding: rows beyond the real vocabulary are zero
+        full = torch.nn.functional.pad(full, (0, 0, 0, pad)) if dim == 0 else torch.nn.functional.pad(full, (0, pad))
+    return full.narrow(dim, start, stop - start)
+
+
+def _check_against_reference(ranks: list[dict], reference: dict) -> None:
+    for r in ranks:
+        _check_param_bytes(r)
+    assert sum(n > CLIP for n in reference["norms"]) >= STEPS // 2, "clipping never bit"
+    for r in ranks:
+        # fp32: the same sums in another order (reduce-scatter per micro-batch, tp
+        # all-reduces): a few ulps a step; 1e-5 relative is the issue's bar
+        assert relative_diff(r["losses"], reference["losses"]) < 1e-5
+        assert relative_diff(r["norms"], reference["norms"]) < 1e-4  # the trained net's norm carries them further
+        for name, (p, info) in r["params"].items():
+            want = _full_slice(info, reference["weights"][name])
+            rel = ((p - want).norm() / want.norm()).item()
+            assert rel < WEIGHT_RTOL, (name, rel)  # see helpers.WEIGHT_RTOL
+
+
+@pytest.mark.parametrize("dp", [2, 4])
+def test_zero3_data_parallel_equals_one_process(pools, corpus_dir, tmp_path, reference, dp):
+    ranks = pools(dp).run(_train, _job(corpus_dir, str(tmp_path), dp=dp, zero=3))
+    _check_against_reference(ranks, reference)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_zero3_2x2x2_equals_one_process(pools, corpus_dir, tmp_path, reference, schedule):
+    job = _job(corpus_dir, str(tmp_path), tp=2, pp=2, dp=2, zero=3, schedule=schedule)
+    _check_against_reference(pools(8).run(_train, job), reference)
+
+
+# Buckets a rank holds at once: the module's own (a module's parameters may straddle two
+# buckets; q/k/v and gate/up, computed together, read each other's), the next one
+# prefetched, and in a backward pass a bucket kept until all its gradients are in (its
+# first parameters' module ran, the rest's not yet). Measured at most 4 here (see the
+# print); every bucket at once is what ZeRO 3 must not do.
+MAX_IN_FLIGHT = 5
+
+
+def _check_param_bytes(r: dict) -> None:
+    """Parameter bytes during the steps = 1/dp of the (padded) model + the buckets in
+    flight, at every gather and free; the shards alone after the update."""
+    samples = r["samples"]
+    assert len(samples) > 10 * r["n_buckets"]  # gathers and frees all through the steps
+    for measured, formula, _ in samples:
+        assert measured == formula
+    shard_bytes = 4 * r["numel"] // r["dp"]
+    assert samples[-1] == (shard_bytes, shard_bytes, 0)
+    in_flight = max(n for _, _, n in samples)
+    print(f"ZeRO 3: at most {in_flight} of {r['n_buckets']} buckets gathered at once; peak parameter "
+          f"bytes {max(m for m, _, _ in samples)} against {4 * r['numel']} for the whole model")
+    assert 1 <= in_flight <= MAX_IN_FLIGHT < r["n_buckets"]
+    assert max(m for m, _, _ in samples) <= shard_bytes + 4 * MAX_IN_FLIGHT * r["largest_bucket"]
+
+
+def _resume(job: dict, stop_at: int) -> list[float]:
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp))
+    return [h["loss"] for h in trainer.fit(stop_at=stop_at)]
+
+
+def test_resume_zero2_to_zero3_to_zero2(pools, corpus_dir, tmp_path, reference):
+    """Checkpoints are the same format at every stage (per-parameter flat ranges of the
+    masters and moments): 2 steps at ZeRO 2, resumed at ZeRO 3 for 2, resumed at ZeRO 2
+    for the last 2, give the one-process run's losses (fp32, 1e-5)."""
+    losses = []
+    for zero, stop_at in ((2, 2), (3, 4), (2, 6)):
+        job = _job(corpus_dir, str(tmp_path), dp=2, zero=zero)
+        job["checkpoint"] = {"interval": 2}
+        ranks = pools(2).run(_resume, job, stop_at)
+        assert ranks[0] == ranks[1] and len(ranks[0]) == 2, (zero, ranks)
+        losses += ranks[0]
+    assert relative_diff(losses, reference["losses"]) < 1e-5
