@@ -30,6 +30,7 @@ def default_recipe() -> str:
 def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     from parallel3d.config import load_config
     from parallel3d.distributed import env_world_size, pick_backend, under_torchrun
+    from parallel3d.reliability.elastic import resolve_dp
     from parallel3d.train.dryrun import check_start
     from parallel3d.train.setup import check_job, job_world_size, resolve_model_config
 
@@ -38,6 +39,7 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> int:
     world = job_world_size(cfg)  # checks launch.nnodes and launch.nproc
     if under_torchrun():
         world = env_world_size()
+    cfg = resolve_dp(cfg, world)  # parallel.dp = "auto": from this world
     if args.dry_run:
         from parallel3d.planner.cli import gpu_from_args
         from parallel3d.train.dryrun import dry_run

@@ -75,7 +75,9 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
-    dp: int = 1
+    # "auto": world / (tp * pp * cp), from the world the launcher gives (elastic runs:
+    # parallel3d/reliability/elastic.py)
+    dp: int | Literal["auto"] = 1
     # Context parallelism: each sequence split over cp ranks (2 cp chunks, head-tail), the
     # attention of local queries over the whole sequence by an all-gather of K/V or a ring
     # of p2p steps (cp_comm); weights replicated, gradients reduced over dp x cp.

@@ -20,6 +20,7 @@ from parallel3d.distributed import (device_for, init_from_env, pick_backend, set
 from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE, UserError
 from parallel3d.reliability import (CommFailure, CommWatch, TrainingStopped, backend_timeout_s,
                                     comm_failures_reported, enable_flight_recorder, wants_watchdog)
+from parallel3d.reliability.elastic import SizeChange
 from parallel3d.topology import Topology
 from parallel3d.train.pilot import fit_with_autopilot, timed_trainer
 from parallel3d.train.trainer import Trainer
@@ -37,10 +38,13 @@ def run_training(cfg: JobConfig) -> list[dict]:
         set_host_allocator(cfg.launch.host_memory)  # what freed buffers cost (launch.host_memory)
     rel = cfg.reliability
     watchdog = wants_watchdog(rel.watchdog, backend)
+    sizes = None
     if under_torchrun():
+        sizes = SizeChange.from_env(cfg.run.dir)  # before the trainer rewrites the run dir
         enable_flight_recorder(backend)
         timeout_s = backend_timeout_s(watchdog, rel.comm_timeout_s)
         init_from_env(backend, timeout_s)
+        sizes.mark_group_ready()
         topo = Topology.of(cfg.parallel, timeout_s=timeout_s)
     else:
         topo = Topology.of(cfg.parallel, rank=0, world_size=1)
@@ -54,6 +58,8 @@ def run_training(cfg: JobConfig) -> list[dict]:
     try:
         with comm_failures_reported(watch, passthrough=(UserError, TrainingStopped)):
             trainer, build_s = timed_trainer(lambda: make_trainer(cfg, topo))
+            if sizes is not None:
+                sizes.watch(trainer)  # a "resize" event at the first step after a change of world
             if cfg.train.autopilot:
                 history = fit_with_autopilot(trainer, make_trainer, build_s)
             else:

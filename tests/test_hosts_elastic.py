@@ -1,0 +1,112 @@
+"""An elastic job across two hosts (network namespaces, tests/hosts.py) that loses one:
+``torchrun --nnodes 1:2 --max-restarts 3`` with ``parallel.dp = "auto"``. At step
+``KILL_AT`` every process of host 1 (its agent and its worker) is killed; the agent of
+host 0 restarts its worker alone, which resumes from the last checkpoint at dp 1 with twice
+the micro-batches, and the run ends with the losses of one process that was never
+interrupted."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from parallel3d.config import config_from_dict
+from parallel3d.topology import Topology
+from parallel3d.train.trainer import Trainer
+
+from helpers import job_args, relative_diff, tiny_job_on
+from hosts import hosts_or_skip
+
+STEPS, INTERVAL, KILL_AT = 12, 2, 5
+COMM_TIMEOUT_S = 30
+TIMEOUT_S = 240
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _job(prepared_dir: str, run_dir: Path, dp) -> dict:
+    return tiny_job_on(prepared_dir, str(run_dir), parallel={"tp": 1, "pp": 1, "dp": dp},
+                       train={"steps": STEPS}, checkpoint={"interval": INTERVAL, "keep": 0},
+                       reliability={"comm_timeout_s": COMM_TIMEOUT_S}, launch={"threads_per_proc": 1})
+
+
+def _records(path: Path) -> list[dict]:
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text.split("\n")[:-1] if line]
+
+
+def _wait_for(predicate, timeout: float, what: str, logs: list[Path]) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            tails = "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-25:]) for log in logs)
+            pytest.fail(f"timed out waiting for {what}\n{tails}")
+        time.sleep(0.05)
+
+
+def test_a_lost_host_leaves_the_job_at_half_the_dp_with_the_same_losses(prepared_dir, tmp_path):
+    reference = [r["loss"] for r in Trainer(config_from_dict(_job(prepared_dir, tmp_path / "one", 1)),
+                                             Topology(1, 1, 1), log=False).fit()]
+    run = tmp_path / "run"
+    args = job_args(_job(prepared_dir, run, "auto"))
+    port = random.randrange(20000, 60000)
+    logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
+    extra = ["--max-restarts", "3", "--monitor-interval", "0.2"]
+    # last_call_timeout: how long a rendezvous that has its minimum of agents waits for
+    # more (torchrun's default 30 s, the largest part of the recovery: 43 s of 55 with it);
+    # 10 s is still ample for the two agents of the first rendezvous to meet. keep_alive_*:
+    # a dead agent is dropped from the rendezvous after interval x attempts (default 5 x 3).
+    conf = "last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3"
+    with hosts_or_skip(2) as hosts:
+        agents = [hosts.popen(i, hosts.torchrun(i, "1:2", 1, port, f"p3d-{port}", args, extra, conf), logs[i])
+                  for i in range(2)]
+        metrics = run / "metrics.jsonl"
+        _wait_for(lambda: any(r.get("step", 0) >= KILL_AT and "loss" in r for r in _records(metrics)),
+                  TIMEOUT_S, f"step {KILL_AT}", logs)
+        killed_at = time.time()
+        hosts.kill(1)
+        try:
+            code = agents[0].wait(timeout=TIMEOUT_S)
+        except Exception:
+            code = "timeout"
+        if code != 0:
+            _wait_for(lambda: False, 0, f"host 0's agent to finish (exit {code})", logs)
+    records = _records(metrics)
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    # fp32: dp 2 and dp 1 sum the same per-token gradients in another order (all-reduce,
+    # micro-batch accumulation), a few ulps per op; 1e-5 relative is every layout test's bar.
+    assert relative_diff([r["loss"] for r in steps], reference) < 1e-5
+    resizes = [r for r in records if r.get("event") == "resize"]
+    assert [(r["from_world"], r["to_world"]) for r in resizes] == [(2, 1)], resizes
+    ran = json.loads((run / "config.json").read_text())["parallel"]
+    assert ran["dp"] == 1  # the survivors' layout
+    event = resizes[0]
+    since_kill = event["time"] - killed_at
+    print("resize event:", event, f"kill -> first forward {since_kill:.1f} s")
+    # resumed from the last checkpoint before the kill (a step past KILL_AT may have been
+    # logged, and checkpointed, between the test's read of metrics.jsonl and the kill)
+    assert event["step"] % INTERVAL == 0 and KILL_AT - INTERVAL < event["step"] <= KILL_AT + 1, event
+    # the time from the loss (the kill, or the last step logged before it) to the first
+    # step after it: the issue's bound is comm_timeout + 30 s on this machine
+    assert 0 < since_kill <= COMM_TIMEOUT_S + 30, (since_kill, event)
+    assert event["recovery_s"] <= COMM_TIMEOUT_S + 30, event
+
+
+def test_dp_auto_is_the_world_over_the_fixed_axes():
+    from parallel3d.config import load_config
+    from parallel3d.errors import UserError
+    from parallel3d.reliability.elastic import resolve_dp
+
+    cfg = load_config(None, ["--parallel.tp=2", "--parallel.pp=2", '--parallel.dp="auto"'])
+    assert cfg.parallel.dp == "auto"
+    assert resolve_dp(cfg, 8).parallel.dp == 2 and resolve_dp(cfg, 4).parallel.dp == 1
+    assert resolve_dp(resolve_dp(cfg, 8), 4).parallel.dp == 2  # a number is kept
+    with pytest.raises(UserError, match=r"world of 6 ranks is not a multiple of tp 2 x pp 2 x cp 1 = 4"):
+        resolve_dp(cfg, 6)
+    with pytest.raises(UserError, match="parallel.dp"):
+        load_config(None, ['--parallel.dp="many"'])
