@@ -149,7 +149,8 @@ def _save_and_evaluate_with_gathers_in_flight(job: dict) -> dict:
 def test_checkpoint_and_evaluation_right_after_a_step_wait_for_the_gathers(pools, corpus_dir, tmp_path):
     """After a step every bucket's all-gather is still in flight (here: NaN until waited
     for); an evaluation and a checkpoint saved at once read the gathered values, not
-    NaN: both call ``finish_param_gather`` first."""
+    NaN: the evaluation's forward waits for each module's buckets, the checkpoint calls
+    ``finish_param_gather`` first."""
     job = _job(corpus_dir, str(tmp_path), steps=1)
     job["eval"] = {"interval": 5, "batches": 1}  # (validation windows are built when it is on)
     job["data"]["val_fraction"] = 0.1

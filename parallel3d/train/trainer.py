@@ -320,7 +320,8 @@ class Trainer:
         model as one chunk when pp = 1), so any layout evaluates the same sequences.
         """
         n_batches = self.cfg.eval.batches
-        self.finish_param_gather()
+        # (no finish_param_gather: the forward waits for, or under ZeRO 3 gathers, each
+        # module's buckets itself)
         # on the device: the dp group may be NCCL's, which takes only CUDA tensors
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for b in range(n_batches):
@@ -332,7 +333,6 @@ class Trainer:
         """``val_loss/<name>``: each data.blend source's held-out loss, as :meth:`evaluate`
         over that source's validation split (nothing for one dataset)."""
         out, n = {}, self.cfg.eval.batches
-        self.finish_param_gather()
         for name in self.source_names:
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for b in range(n):
@@ -342,8 +342,9 @@ class Trainer:
 
     def finish_param_gather(self) -> None:
         """Wait for the optimizer's post-step parameter all-gathers still in flight (ZeRO
-        1/2 overlap them with the next forward): before anything reads the weights outside
-        a training forward (evaluation, a checkpoint, the caller after the last step)."""
+        1/2 overlap them with the next forward; ZeRO 3 gathers every bucket): before
+        anything reads the weights outside a forward (a checkpoint, the caller after the
+        last step)."""
         finish = getattr(self.optimizer, "finish_param_gather", None)
         if finish is not None:
             finish()

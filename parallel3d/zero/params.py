@@ -28,8 +28,9 @@ When (hooks on every module holding parameters, through :meth:`ShardedParams.hoo
   gradients wait for the W, frees there: a W reads the layer's input and output gradient,
   never its weights).
 
-A bucket freed too early is only gathered again (more traffic, never wrong values): each
-use gathers what it reads. :meth:`gather_all` holds every bucket gathered until
+Each use gathers what it reads, so a bucket a forward freed early is only gathered again
+(more traffic); one freed while a backward node still reads it fails loudly (its storage
+has 0 bytes: autograd raises), it is never read stale. :meth:`gather_all` holds every bucket gathered until
 :meth:`free_all` (whatever reads the parameters outside a forward: a checkpoint, an
 export; the optimizer frees them when the update changes the shards).
 """
@@ -141,6 +142,7 @@ class ShardedParams:
         """Drop every full bucket (the shards changed, or the parameters were read)."""
         self.read_held = False
         self._backward_held.clear()
+        self._forward_refs = [0] * len(self.full)
         for b in range(len(self.full)):
             self._free(b)
 
@@ -212,14 +214,20 @@ class ShardedParams:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        for b in [b for b in self._backward_held if self._first_user[b] > k]:
-            self.bucket_done(b)
+        for b, first in self._first_user.items():
+            if first > k and (b in self._backward_held or self._forward_refs[b]):
+                # (a forward reference here is a recomputation's: torch's checkpoint stops
+                # re-running a layer once it has what the backward needs, so some modules
+                # see their pre-hook and never their post-hook)
+                self._forward_refs[b] = 0
+                self.bucket_done(b)
         self.gather(buckets, prefetch=buckets[-1] + 1)
         self._backward_held.update(buckets)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self._backward_held.clear()
+        self._forward_refs = [0] * len(self.full)  # no forward runs across a backward's end
         for b in range(len(self.full)):
             self._maybe_free(b)
 
