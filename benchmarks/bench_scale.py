@@ -49,7 +49,7 @@ TINY = {"preset": "debug", "vocab_size": 512, "dim": 64, "n_layers": 4, "n_heads
         "n_kv_heads": 2, "ffn_dim": 128, "tie_embeddings": False}
 TRAIN = {"steps": 2, "seq_len": 64, "micro_batch": 1, "global_batch": 4, "seed": 1234,
          "lr": 1e-4, "warmup_steps": 0, "log_interval": 1}
-# name -> parallel keys (4 processes each)
+# name -> parallel keys (4 processes each, 8 for tp2 pp4)
 _PLAIN = {"zero": 0, "sequence_parallel": False, "schedule": "1f1b"}
 LAYOUTS = {
     "tp2 pp2": {"tp": 2, "pp": 2, "dp": 1, **_PLAIN},
@@ -57,6 +57,7 @@ LAYOUTS = {
     "pp4": {"tp": 1, "pp": 4, "dp": 1, **_PLAIN},
     "tp2 dp2 zero2": {"tp": 2, "pp": 1, "dp": 2, **_PLAIN, "zero": 2},
     "tp4": {"tp": 4, "pp": 1, "dp": 1, **_PLAIN},
+    "tp2 pp4": {"tp": 2, "pp": 4, "dp": 1, **_PLAIN},  # 8 processes
 }
 
 
