@@ -57,16 +57,19 @@ def _world_of(parallel: dict) -> int:
 
 
 class SizeChange:
-    """What a restarted worker knows about the world before it: read (by :meth:`before`)
-    from the run directory before the new trainer overwrites ``config.json`` and truncates
-    ``metrics.jsonl``."""
+    """What a restarted worker knows about the world before it, read from the run
+    directory before the new trainer overwrites ``config.json`` and truncates
+    ``metrics.jsonl``. A resumed run whose world differs from the last one's logs the event
+    (a relaunch by hand at another size too: its ``recovery_s`` is then the whole pause)."""
 
     def __init__(self, run_dir: str, world: int, restart: int):
         self.started = _process_start_time()
         self.world, self.restart = world, restart
         config, metrics = Path(run_dir) / "config.json", Path(run_dir) / "metrics.jsonl"
         self.previous = None
-        if restart > 0 and config.exists() and metrics.exists():
+        # Any start that finds an earlier run's files: a host that rejoins may hold rank 0
+        # and its agent's restart count is 0.
+        if config.exists() and metrics.exists():
             try:
                 self.previous = _world_of(json.loads(config.read_text())["parallel"])
             except (ValueError, KeyError, TypeError):
