@@ -164,12 +164,13 @@ def state_bytes(held: int, dtype: str, zero: int, dp: int, experts: int = 0,
     ``experts`` are routed experts sharded over ``expert_dp`` ranks (edp x cp) and the rest
     over ``dp`` (dp x cp) (the table in the module docstring)."""
     bf16 = dtype == "bf16"
-    grads = optimizer = 0
+    weights = grads = optimizer = 0
     for n, ranks in ((held - experts, dp), (experts, expert_dp)):
         shard = -(-n // ranks)  # ceil: the flat buffers are padded to a multiple of the ranks
+        weights += (2 if bf16 else 4) * (shard if zero >= 3 else n)  # zero 3: + the buckets in flight
         grads += 4 * (shard if zero >= 2 else n)
         optimizer += (8 + (4 if bf16 else 0)) * (shard if zero >= 1 else n)
-    return StateBytes((2 if bf16 else 4) * held, grads, optimizer)
+    return StateBytes(weights, grads, optimizer)
 
 
 @dataclass
@@ -249,7 +250,7 @@ def _bytes_legend(dtype: str, zero: int, dp: int, cp: int = 1, ep: int = 1) -> s
     shard = f" / dp {dp}" + (f" x cp {cp}" if cp > 1 else "")
     if ep > 1:  # routed experts shard over the ranks holding the same experts
         shard += f" (experts / edp {dp // ep}" + (f" x cp {cp}" if cp > 1 else "") + ")"
-    return (f"weights {2 if bf16 else 4} B/param ({dtype}), grads 4 B (fp32){shard if zero >= 2 else ''}, "
+    return (f"weights {2 if bf16 else 4} B/param ({dtype}){shard if zero >= 3 else ''}, grads 4 B (fp32){shard if zero >= 2 else ''}, "
             f"optimizer {'8 B Adam + 4 B fp32 master' if bf16 else '8 B Adam'}{shard if zero >= 1 else ''} "
             f"(zero {zero})")
 

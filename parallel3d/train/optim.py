@@ -2,7 +2,7 @@
 
 Every ``parallel.zero`` stage is the flat-buffer AdamW of :mod:`parallel3d.zero`: stage 0
 keeps the whole optimizer state on every data-parallel rank and all-reduces gradients,
-stages 1 and 2 shard it (see :class:`~parallel3d.zero.ZeroOptimizer`). The step's two
+stages 1 and 2 shard it, 3 the parameters too (see :class:`~parallel3d.zero.ZeroOptimizer`). The step's two
 halves and the global norm are in :mod:`parallel3d.grad_norm`.
 """
 
@@ -64,7 +64,7 @@ def autocast_for(train_cfg: TrainConfig, device: torch.device):
 
 def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology, model=None,
                     timeline=None, device=None, dtype=None) -> ZeroOptimizer:
-    """The optimizer for ``parallel.zero`` (0, 1 or 2) over ``params``, stored in their
+    """The optimizer for ``parallel.zero`` (0-3) over ``params``, stored in their
     current dtype (bf16 parameters get fp32 master weights in the optimizer); meta
     parameters are allocated in its flat buffer on ``device`` in ``dtype``. With ``model``
     given and ``parallel.overlap_param_gather`` on, the sharded stages overlap their
