@@ -1,5 +1,5 @@
-"""ZeRO-style sharding of optimizer state (stage 1) and gradients (stage 2) over the
-data-parallel group, and memory accounting."""
+"""ZeRO-style sharding of optimizer state (stage 1), gradients (stage 2) and parameters
+(stage 3) over the data-parallel group, and memory accounting."""
 
 from .memory import AllocationMeter, memory_report
 from .optimizer import ZeroOptimizer

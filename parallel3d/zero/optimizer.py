@@ -4,11 +4,11 @@ The parameters of this rank (whatever tensor and pipeline parallelism left on it
 views of one flat buffer packed in buckets (:mod:`parallel3d.zero.buckets`); gradients are
 reduced in fp32 (:mod:`parallel3d.zero.grads`); AdamW steps flat fp32 master shards::
 
-                         stage 0            stage 1        stage 2
-    parameters           P                  P              P          (bf16 or fp32)
-    fp32 gradients       P                  P + P/dp       P/dp
+                         stage 0            stage 1        stage 2    stage 3
+    parameters           P                  P              P          P/dp + gathered buckets
+    fp32 gradients       P                  P + P/dp       P/dp       P/dp
     fp32 master weights  P if params bf16   P/dp if params bf16       (else the params)
-    Adam moments         2P                 2P/dp          2P/dp
+    Adam moments         2P                 2P/dp          2P/dp      2P/dp
 
 One step: each bucket's gradient is reduced as soon as the step's last backward pass has
 filled it (stage 0: all-reduced, every rank keeps the average; 1: reduce-scattered so
