@@ -213,3 +213,32 @@ def test_zero3_bf16_parameters_follow_zero2(pools, corpus_dir, tmp_path):
     print(f"ZeRO 3 bf16 vs ZeRO 2 bf16: {relative_diff(runs[3], runs[2]):.1e}")
     assert relative_diff(runs[3], runs[2]) <= BF16_U
     assert runs[3][-1] < runs[3][0]  # it trains
+
+
+def _gather_trace(job: dict) -> dict:
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology(1, 1, cfg.parallel.dp))
+    trainer.train_step()
+    sharded = trainer.optimizer.sharded
+    sharded.trace = []
+    trainer.train_step()
+    trainer.close()
+    return {"trace": sharded.trace, "n_buckets": len(sharded.full),
+            "micro_batches": cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)}
+
+
+def test_zero3_gathers_each_bucket_before_its_use_and_prefetches_the_next(pools, corpus_dir, tmp_path):
+    """One step at dp 2: the first forward waits for the buckets in forward order (last
+    bucket first), the next one's all-gather issued before each wait (prefetched); every
+    bucket is gathered and freed again for every micro-batch's forward and backward (at
+    least 2 x micro-batches times), none kept for the whole step."""
+    job = _job(corpus_dir, str(tmp_path), steps=2, dp=2, zero=3)
+    job["eval"]["interval"] = 0
+    for got in pools(2).run(_gather_trace, job):
+        trace, n, m = got["trace"], got["n_buckets"], got["micro_batches"]
+        waits = [b for kind, b in trace if kind == "wait"]
+        assert waits[:n] == list(reversed(range(n)))  # the first forward, in its order
+        for b in range(n - 1, 0, -1):
+            assert trace.index(("gather", b - 1)) < trace.index(("wait", b)), b  # prefetched
+        for b in range(n):
+            assert trace.count(("gather", b)) >= 2 * m and trace.count(("free", b)) >= 2 * m, b
