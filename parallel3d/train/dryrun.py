@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from parallel3d.config import JobConfig
 from parallel3d.launch import job_nodes
+from parallel3d.lora.apply import apply_lora
 from parallel3d.models.llama.sharded_init import build_meta_llama
 from parallel3d.planner.hardware import FRAGMENTATION, GPU, memory_terms, usable_bytes
 from parallel3d.planner.memory import StageMemory, memory_per_stage
@@ -144,7 +145,17 @@ def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_ra
                        create_groups=False)
     with shapes_only():
         module, _ = build_meta_llama(model_cfg, topo, par)
+        apply_lora(module, cfg, topo)  # [lora]: the adapters, every other weight frozen (rank 0: no change)
     return module
+
+
+def lora_state_bytes(module: torch.nn.Module, dtype: str, zero: int, dp: int) -> StateBytes:
+    """LoRA: the frozen weights in the storage dtype, with no gradient and no optimizer
+    state; :func:`state_bytes` for what trains (the adapters, ``lora.trainable``)."""
+    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
+    s = state_bytes(trained, dtype, zero, dp)
+    return StateBytes(s.weights + (2 if dtype == "bf16" else 4) * frozen, s.grads, s.optimizer)
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,8 @@ def stage_reports(cfg: JobConfig, model_cfg, world_size: int, planned: list[Stag
         # weights are replicated over dp x cp: ZeRO shards over both; experts over edp x cp
         states = state_bytes(params.held, dtype, par.zero, par.dp * par.cp, params.experts,
                              par.dp // par.ep * par.cp)
+        if cfg.lora.rank:
+            states = lora_state_bytes(module, dtype, par.zero, par.dp * par.cp)
         out.append(StageReport(stage, params, states, planned[stage], module))
     return out
 
@@ -340,6 +353,10 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
         "activations and buffers from the planner:")
     for line in table:
         out(line)
+    if cfg.lora.rank:
+        trained = sum(p.numel() for r in reports for p in r.module.parameters() if p.requires_grad)
+        out(f"lora rank {cfg.lora.rank}: the frozen weights without gradients or optimizer state; "
+            f"gradients and optimizer state for the {param_count(trained)} trained parameters of the stages shown")
     if model_cfg.moe is not None:
         for line in expert_lines(reports, model_cfg, par):
             out(line)
