@@ -203,9 +203,11 @@ def test_zero_bubble_memory_counts_the_w_stash_by_hand():
 
 
 def test_plan_recommends_a_zero_bubble_schedule_where_it_wins(capsys):
-    """Llama 3.1 8B on 64 H100s: the fastest layout the model finds pipelines over 2
-    stages with zb-h1, and the report gives 1F1B's bubble on the same layout beside it."""
-    assert main(["plan", "--model", "8b", "--gpus", "64", "--gpu", "h100-80g"]) == 0
+    """Llama 3.1 8B on 64 H100s with a 2-stage pipeline (unpinned, data parallelism with its
+    traffic hidden under the compute wins, tests/test_planner_overlap.py): the fastest
+    layout uses a zero-bubble schedule, and the report gives 1F1B's bubble on the same
+    layout beside it."""
+    assert main(["plan", "--model", "8b", "--gpus", "64", "--gpu", "h100-80g", "--pp", "2"]) == 0
     out = capsys.readouterr().out
     recommended = next(line for line in out.splitlines() if line.startswith("recommended:"))
     assert " zb-h1 " in recommended or " zb-vx2 " in recommended, recommended
@@ -264,7 +266,8 @@ def test_write_recipe_passes_dry_run(tmp_path, capsys):
     assert main(["plan", "--model", "8b", "--gpus", "16", "--gpus-per-node", "8", "--gpu", "h200",
                  "--seq-len", "4096", "--global-batch", "64", "--write-recipe", str(recipe)]) == 0
     out = capsys.readouterr().out
-    assert "recommended:" in out and "pure data parallel" in out
+    recommended = next(line for line in out.splitlines() if line.startswith("recommended:"))
+    assert "pure data parallel" in out or " tp1 pp1 " in f" {recommended.split(': ', 1)[1]}"
     assert main(["train", str(recipe), "--dry-run"]) == 0
     dry = capsys.readouterr().out
     cfg = load_config(recipe)

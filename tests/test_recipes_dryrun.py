@@ -170,8 +170,8 @@ def test_dry_run_bytes_follow_the_storage_table_and_the_gpu_fit_is_per_stage():
     from parallel3d.train.dryrun import built_stages
 
     reports, par = found["reports"], cfg.parallel
-    # first, middle, last and the planner's fullest stage
-    assert [r.stage for r in reports] == built_stages(par.pp, found["stages"]) and len(reports) >= 3
+    # first, middle, last and the planner's fullest stage (as many as the pipeline has)
+    assert [r.stage for r in reports] == built_stages(par.pp, found["stages"]) and len(reports) >= min(3, par.pp)
     for r in reports:
         assert r.states == state_bytes(r.params.held, "bf16", par.zero, par.dp * par.cp)
         row = next(line for line in lines if line.strip().startswith(f"{r.stage} ("))

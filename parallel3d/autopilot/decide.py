@@ -130,8 +130,9 @@ def _parts(option: Option, terms: FittedTerms) -> dict[str, float]:
     stages = option.prediction.stages
     pick = (lambda xs: sum(xs) / len(xs)) if option.prediction.bound == "host cores" else max
     out = {"compute": pick([s.compute_s for s in stages])}
-    for kind in ("tp", "pp", "dp"):
-        out[f"{kind} collectives"] = pick([terms.beta * s.counts.get(kind, 0.0) for s in stages])
+    for kind in ("tp", "pp", "dp"):  # dp: what the compute does not hide (fitted.dp_hidden_s)
+        out[f"{kind} collectives"] = pick([max(0.0, terms.beta * s.counts.get(kind, 0.0)
+                                               - (s.hidden_s if kind == "dp" else 0.0)) for s in stages])
     return out
 
 

@@ -1,10 +1,12 @@
 """The compute efficiency: its default, and refreshing it from a run's ``metrics.jsonl``.
 
-The time model is affine in ``1/efficiency.compute``: ``step(e) = C / e + K``, where ``C``
-is the compute (pipeline bubble included) at full peak and ``K`` the communication and the
-optimizer step. Given a measured step time ``T``, ``e = C / (T - K)``. The default is this
-inversion applied to one published anchor run (:data:`~parallel3d.planner.published.ANCHOR`)
-and then used for every GPU: one figure, not fitted to the runs the planner is tested on.
+The predicted step falls as ``efficiency.compute`` grows: the compute shrinks as
+``1 / efficiency``, and the communication it hides (:mod:`parallel3d.planner.overlap`) can
+only show more of itself, never more than the compute saved. Given a measured step time
+``T``, the efficiency is the one whose predicted step is ``T``, found by bisection. The
+default is this inversion applied to one published anchor run
+(:data:`~parallel3d.planner.published.ANCHOR`) and then used for every GPU: one figure,
+not fitted to the runs the planner is tested on.
 """
 
 from __future__ import annotations
@@ -27,14 +29,24 @@ def solve_compute_efficiency(work: Workload, layout: Layout, gpu: GPU, gpus_per_
     from parallel3d.planner.timing import step_time
 
     base = eff or Efficiency(compute=1.0)  # compute is what is being solved for
-    t1 = step_time(work, layout, gpu, gpus_per_node, replace(base, compute=1.0)).step_s
-    t2 = step_time(work, layout, gpu, gpus_per_node, replace(base, compute=0.5)).step_s
-    c, k = t2 - t1, 2 * t1 - t2
+
+    def step(e: float) -> float:
+        return step_time(work, layout, gpu, gpus_per_node, replace(base, compute=e)).step_s
+
     measured = work.tokens_per_step / tokens_per_s
-    if measured <= k:
+    floor = step(1e9)  # the communication and the optimizer step alone
+    if measured <= floor:
         raise UserError(f"the measured step ({measured:.3g} s) is shorter than the modelled communication "
-                        f"alone ({k:.3g} s): the link figures are too pessimistic for this run")
-    return c / (measured - k)
+                        f"alone ({floor:.3g} s): the link figures are too pessimistic for this run")
+    lo, hi = 1e-6, 1.0
+    while step(hi) > measured:  # faster than the peak: an efficiency above 1 says so
+        lo, hi = hi, hi * 2
+    for _ in range(200):  # the step is non-increasing in the efficiency
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) > measured else (lo, mid)
+        if hi - lo <= 1e-13 * hi:
+            break
+    return (lo + hi) / 2
 
 
 @lru_cache(maxsize=1)

@@ -65,6 +65,9 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--nodes-interconnect", type=float, default=None, metavar="GBIT",
                    help="inter-node bandwidth per GPU in Gbit/s (default: the GPU's usual NIC)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="what data-parallel gradient reductions send (parallel.reduce_dtype; bf16: half "
+                        "the bytes, each contribution rounded to bf16)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--write-recipe", metavar="FILE", help="write the recommended layout as a TOML recipe")
     p.add_argument("--calibrate", metavar="RUN", help="refresh the compute efficiency from a run's "
@@ -152,6 +155,8 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"calibrated: {how}")
     work = Workload(model, args.seq_len, args.global_batch, args.dtype)
     fixed = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "ep") if getattr(args, k) is not None}
+    if args.reduce_dtype != "fp32":
+        fixed["reduce_dtype"] = args.reduce_dtype
     if fixed.get("ep", 1) > 1 and model.moe is None:
         raise UserError(f"--ep {args.ep}: expert parallelism needs a Mixture-of-Experts model "
                         "(a Hugging Face config.json of Qwen3-MoE, Mixtral, OLMoE or Qwen2-MoE): drop --ep")

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 
 from parallel3d.flops import layer_forward_flops_per_token
 from parallel3d.planner.memory import BUCKET_BYTES, stage_params
+from parallel3d.planner.overlap import gather_wait, reduce_tail
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
 
 
@@ -134,6 +135,10 @@ class StageWork:
     opt_elements: float = 0.0  # optimizer elements stepped
     counts: dict[str, float] = field(default_factory=dict)  # steps by kind: tp, pp, dp
     kind_bytes: dict[str, float] = field(default_factory=dict)  # bytes by kind
+    dp_buckets: int = 0  # gradient buckets (each its own collective)
+    gather_steps: float = 0.0  # of the dp steps and bytes, the post-step all-gather's
+    gather_bytes: float = 0.0
+    hidden_s: float = 0.0  # dp seconds under the compute on dedicated devices (predict)
 
 
 def _recompute_scale(model, seq: int, recompute: str) -> float:
@@ -197,7 +202,10 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
             _add(w, "dp", buckets, layout.dp, grad_bytes / buckets, all_reduce=True)
         else:
             _add(w, "dp", buckets, layout.dp, grad_bytes / buckets)
+            steps, moved = w.steps, w.bytes
             _add(w, "dp", 1, layout.dp, n_params * work.bytes["weight"])
+            w.gather_steps, w.gather_bytes = w.steps - steps, w.bytes - moved
+        w.dp_buckets = buckets
         if layout.pp > 1 and model.tie_embeddings and (r == 0 or r == layout.pp - 1):
             _add(w, "dp", 1, 2, model.vocab_size * model.dim // tp * 4, all_reduce=True)
         out.append(w)
@@ -221,10 +229,32 @@ def stage_work_s(stage: StageWork, terms: FittedTerms) -> float:
             + terms.adam * stage.opt_elements + terms.phi)
 
 
+def dp_hidden_s(stage: StageWork, layout: Layout, terms: FittedTerms, m: int) -> float:
+    """Seconds of ``stage``'s data-parallel collectives its compute hides on a dedicated
+    device (:mod:`parallel3d.planner.overlap`): the gradient buckets under the last
+    micro-batch's backward (two thirds of its compute), the post-step all-gather under
+    the first forward when ``parallel.overlap_param_gather``. None on a shared host, where
+    a collective takes the CPU time it takes whenever it runs."""
+    dp_s = terms.beta * stage.counts.get("dp", 0.0) + terms.psi * stage.kind_bytes.get("dp", 0.0)
+    if terms.shared or dp_s <= 0 or not stage.dp_buckets:
+        return 0.0
+    n = stage.dp_buckets
+    gather = terms.beta * stage.gather_steps + terms.psi * stage.gather_bytes
+    micro = stage.compute_s / m
+    exposed = reduce_tail([(2 / 3 * micro / n, (dp_s - gather) / n, 1, n)])
+    if gather > 0:
+        exposed += gather_wait([(micro / 3 / n, gather / n, 1, n)]) if layout.overlap_param_gather else gather
+    return max(0.0, dp_s - exposed)
+
+
 def predict(work: Workload, layout: Layout, terms: FittedTerms, ranks_per_host: int) -> Prediction:
-    """The step of ``layout`` under ``terms`` (every stage has tp * dp ranks alike)."""
+    """The step of ``layout`` under ``terms`` (every stage has tp * dp ranks alike); on
+    dedicated devices the data-parallel traffic the compute hides is off the critical path
+    (:func:`dp_hidden_s`)."""
     stages = rank_work(work, layout, terms.compute)
-    works = [stage_work_s(s, terms) for s in stages]
+    for s in stages:
+        s.hidden_s = dp_hidden_s(s, layout, terms, layout.n_micro(work))
+    works = [stage_work_s(s, terms) - s.hidden_s for s in stages]
     per_host = min(ranks_per_host, layout.world_size)
     delivered = terms.delivered(per_host * terms.threads)
     speed = delivered / (per_host * terms.threads) * terms.threads  # cores a rank's threads get
@@ -302,7 +332,7 @@ def fit_terms(work: Workload, measured: Measured, compute: dict[int, ChunkCost],
     bubble = 1.0
     if layout.pp > 1:
         modelled = predict(work, layout, replace(terms, bubble=1.0), ranks_per_host)
-        fill = modelled.path_s - max(stage_work_s(s, terms) for s in modelled.stages)
+        fill = modelled.path_s - max(stage_work_s(s, terms) - s.hidden_s for s in modelled.stages)
         waits = measured.step_s - measured.busy_max_s - measured.comm_exposed_s
         bubble = max(0.0, waits / fill) if fill > 0 else 1.0
     return replace(terms, phi=measured.comm_exposed_s, bubble=bubble)

@@ -72,7 +72,12 @@ allocated by the flat-buffer optimizer at construction; cp changes none of them,
 ZeRO shards over the replicas dp x cp ("dp" below). ZeRO 1 shards master weights and
 moments over dp and keeps the whole fp32 gradient buffer plus its reduced shard; ZeRO 2
 keeps only the shard, and packs each bucket of a backward pass into a transient fp32
-buffer, at most two in flight. The step itself (clipping, the fused AdamW over flat
+buffer, at most two in flight. ZeRO 3 also shards the weights: a rank holds its 1/dp of
+them plus the largest unit (decoder layer, embedding, or norm and head) twice, the one
+gathered for its forward or backward and the next one prefetched
+(:func:`zero3_unit_params`; the runtime gathers buckets, 2-3 in flight, and a bucket holds
+whole parameters, so with the embedding or head the largest this is close, otherwise an
+upper bound); gradients as ZeRO 2. The step itself (clipping, the fused AdamW over flat
 shards, the all-gathers into the parameter buffer) allocates nothing. The start-up peak
 is the model states plus the initialisation's host chunk or one loaded slice.
 
@@ -262,6 +267,18 @@ def stage_params(model, layout: Layout, pp_rank: int, split: list[int]) -> tuple
     return n, layers, largest
 
 
+def zero3_unit_params(model, layout: Layout, pp_rank: int, split: list[int]) -> int:
+    """Parameters of the largest unit ZeRO 3 gathers at once on ``pp_rank`` (a decoder
+    layer, the embedding, or the final norm and head; :func:`parallel3d.planner.timing.stage_units`)."""
+    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
+    n, layers, _ = stage_params(model, layout, pp_rank, split)
+    first, last = 0 in chunks, (layout.chunks - 1) in chunks
+    embed = model.vocab_size * model.dim // layout.tp
+    head = (model.dim + (0 if model.tie_embeddings and first else embed)) if last else 0
+    per_layer = (n - (embed if first else 0) - head) // max(1, layers)
+    return max(per_layer, embed if first else 0, head)
+
+
 def stage_expert_params(model, layout: Layout, pp_rank: int, split: list[int]) -> int:
     """Routed-expert parameters held on ``pp_rank`` (its sparse layers' ``E / ep`` experts)."""
     chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
@@ -286,7 +303,7 @@ def stage_activation_bytes(model, tokens: int, layout: Layout, act: int, recompu
 
 
 def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] | None = None,
-                 bucket_bytes: int = BUCKET_BYTES, gloo: bool = False) -> StageMemory:
+                 bucket_bytes: int | None = None, gloo: bool = False) -> StageMemory:
     """One pipeline rank's peak. ``gloo``: the CPU runtime, whose reduce-scatter receives
     every rank's copy of its slice into a buffer of the bucket's size per reduction in
     flight (NCCL reduces in place)."""
@@ -306,13 +323,16 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     # for the dense parameters, one for the experts.
     parts = [(n - n_expert, replicas), (n_expert, expert_replicas)]
     mem.weights = n * b["weight"]
+    if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched
+        mem.weights = sum(k * b["weight"] // r for k, r in parts) + 2 * zero3_unit_params(
+            model, layout, pp_rank, split) * b["weight"]
     mem.master = sum(k * b["master"] // (r if zero else 1) for k, r in parts)
     mem.optimizer = sum(k * ADAM_BYTES // (r if zero else 1) for k, r in parts)
-    if layout.zero == 2:  # gradients accumulate in the shard only
+    if layout.zero >= 2:  # gradients accumulate in the shard only
         mem.full_grads = sum(4 * k // r for k, r in parts)
     else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
         mem.full_grads = 4 * n + (sum(4 * k // r for k, r in parts) if layout.zero == 1 else 0)
-    bucket = min(bucket_bytes, 4 * n)
+    bucket = min(bucket_bytes or int(layout.bucket_mb * 2**20), 4 * n)
     in_flight_buckets = MAX_INFLIGHT * bucket
     # Inside a backward: stage 2 packs each bucket into a fresh fp32 buffer, at most
     # MAX_INFLIGHT of them in flight; on gloo every reduce-scatter in flight also has its
@@ -321,7 +341,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     # dtype) before autograd adds it into the buffer, or the hook folds it: the largest
     # weight's is the transient.
     transient_grads = largest * b["weight"]
-    if layout.zero == 2:
+    if layout.zero >= 2:
         transient_grads += in_flight_buckets
     if gloo and layout.zero >= 1 and replicas > 1:
         transient_grads += in_flight_buckets

@@ -52,10 +52,20 @@ class PublishedRun:
     source: str
     how: str
     recompute: str | None = None  # fixed when the source states it; else the planner picks
+    zero: int = 0  # torchtitan's FSDP: 3
+    tokens_per_s_per_gpu: float = 0.0  # when the source gives it
+    bucket_mb: float = 25.0  # torchtitan's FSDP: one collective a transformer block
 
     @property
     def n_gpus(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def layout(self) -> Layout:
+        """The published layout at micro-batch 1 (the planner's stand-in where it differs:
+        see :data:`TORCHTITAN`)."""
+        return Layout(tp=self.tp, pp=self.pp, dp=self.dp, micro_batch=1, zero=self.zero,
+                      recompute=self.recompute or "none", bucket_mb=self.bucket_mb)
 
 
 GPT3_175B = gpt(12288, 96, 96)
@@ -90,6 +100,42 @@ PUBLISHED: list[PublishedRun] = [
             PRESETS["70b"], dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248), 8192, 2048),
         "h100-80g", 8, 8, 16, 64, 0.43, LLAMA3_2024,
         "BF16 MFU 43% (430 TFLOP/s per GPU) at 16M tokens per batch, sequence 8192, CP 1"),
+]
+
+TORCHTITAN_2024 = "torchtitan, docs/performance.md (Llama 3 performance numbers, FSDP2 on 64 A100 80GB)"
+
+
+def torchtitan_mfu(tokens_per_s_per_gpu: float, model: LlamaConfig, seq: int, peak_flops: float) -> float:
+    """MFU in torchtitan's count (its train.py then): ``6 N + 12 L H Q S`` FLOPs a token,
+    ``N`` every parameter, the embedding's included (2,973 tokens/s on the 8B gives their
+    58.2%, 331 on the 70B their 51.7%)."""
+    hd = model.head_dim
+    layer = 2 * model.dim * (model.n_heads + model.n_kv_heads) * hd + 3 * model.dim * model.ffn_dim + 2 * model.dim
+    n = model.n_layers * layer + model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) + model.dim
+    return tokens_per_s_per_gpu * (6 * n + 12 * model.n_layers * model.n_heads * hd * seq) / peak_flops
+
+
+# torchtitan's Llama 3 runs: FSDP2 (1D: parameters, gradients and optimizer state sharded,
+# ZeRO 3 here) over all 64 GPUs, local batch 1 (global 64) of 8,192 tokens, bf16 weights
+# and fp32 reductions (their default mixed precision). The 8B's "selective op"
+# recomputation re-runs every second matmul of a layer (wk, wo, w3); the planner's
+# "selective" (the attention products re-run) stands in for it: 2 (d kv + d^2 + d f) =
+# 159M FLOPs a token and layer theirs, 4 S d = 134M ours, 1% of the 8B's step.
+# FSDP2 as torchtitan applies it: fully_shard on each transformer block and on the root
+# (embedding, final norm, output): one all-gather and one reduce-scatter a block, a bucket
+# at least as large as a layer (8 GiB of fp32 covers the 70B's 3.4 GiB).
+FSDP_UNIT_MB = 8192.0
+TORCHTITAN: list[PublishedRun] = [
+    PublishedRun(
+        "Llama 3 8B, 64 A100-80GB, FSDP dp64", Workload(PRESETS["8b"], 8192, 64), "a100-80g", 8, 1, 1, 64,
+        torchtitan_mfu(2973, PRESETS["8b"], 8192, 312e12), TORCHTITAN_2024,
+        "2,973 tokens/s per GPU, 58.2% MFU, local batch 1, selective op activation checkpointing",
+        recompute="selective", zero=3, tokens_per_s_per_gpu=2973, bucket_mb=FSDP_UNIT_MB),
+    PublishedRun(
+        "Llama 3 70B, 64 A100-80GB, FSDP dp64", Workload(PRESETS["70b"], 8192, 64), "a100-80g", 8, 1, 1, 64,
+        torchtitan_mfu(331, PRESETS["70b"], 8192, 312e12), TORCHTITAN_2024,
+        "331 tokens/s per GPU, 51.7% MFU, local batch 1, full activation checkpointing",
+        recompute="full", zero=3, tokens_per_s_per_gpu=331, bucket_mb=FSDP_UNIT_MB),
 ]
 
 # The anchor that sets the default compute efficiency (not among the test cases): a run

@@ -14,13 +14,14 @@ ZERO_BUBBLE = ("zb-h1", "zb-v")
 
 def table(candidates: list[Candidate], top: int) -> str:
     head = (f"{'#':>3}  {'layout':54s} {'mem/GPU':>8s} {'step s':>8s} {'tokens/s':>11s} {'MFU':>6s} "
-            f"{'bubble':>7s} {'exp.comm':>8s}  fits")
+            f"{'bubble':>7s} {'exp.comm':>8s} {'hid.comm':>8s}  fits")
     lines = [head]
     for i, c in enumerate(candidates[:top], 1):
         t = c.time
         lines.append(f"{i:>3}  {c.layout.describe():54s} {c.required / GiB:7.1f}G {t.step_s:8.3f} "
                      f"{t.tokens_per_s:11,.0f} {t.mfu:6.1%} {t.bubble_s / t.step_s:7.1%} "
-                     f"{t.exposed_comm_s / t.step_s:8.1%}  {'yes' if c.fits else 'NO'}")
+                     f"{t.exposed_comm_s / t.step_s:8.1%} {t.hidden_comm_s / t.step_s:8.1%}  "
+                     f"{'yes' if c.fits else 'NO'}")
     return "\n".join(lines)
 
 
@@ -55,7 +56,9 @@ def reasons(candidates: list[Candidate], best: Candidate, gpus_per_node: int,
     parts = ", ".join(f"{k} {v / total:.0%}" for k, v in _shares(best).items() if v / total >= 0.005)
     out = [f"recommended: {lay.describe()} -- {total:.3f} s/step, MFU {t.mfu:.1%}, "
            f"{best.required / GiB:.1f} GiB of {best.budget / GiB:.1f} GiB on its fullest stage "
-           f"({parts})"]
+           f"({parts})",
+           f"communication: {t.exposed_comm_s:.3g} s exposed (data-parallel {t.dp_comm_s:.3g} s), "
+           f"{t.hidden_comm_s:.3g} s hidden under the compute (data-parallel)"]
     alternatives = [
         ("pure data parallel (tp1 pp1)", lambda L: L.tp == 1 and L.pp == 1 and L.cp == 1),
         (f"tensor parallel across the node (tp{gpus_per_node} pp1)", lambda L: L.tp == gpus_per_node and L.pp == 1),
@@ -142,6 +145,8 @@ ep = {lay.ep}
 schedule = "{lay.schedule}"
 virtual_stages = {lay.virtual_stages}
 zero = {lay.zero}
+reduce_dtype = "{lay.reduce_dtype}"
+bucket_mb = {lay.bucket_mb:g}
 sequence_parallel = {toml(lay.sequence_parallel)}
 
 [train]

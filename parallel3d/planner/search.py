@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
+from typing import get_args
+
+from parallel3d.config_choices import ZeroStage
 
 from parallel3d.planner.hardware import FRAGMENTATION, GPU, Efficiency, usable_bytes
 from parallel3d.planner.memory import StageMemory, memory_per_stage
-from parallel3d.planner.spec import Layout, Workload
+from parallel3d.planner.spec import Layout, Workload, bucket_mb_for
 from parallel3d.planner.timing import StepTime, step_time
 
 MAX_MICRO_BATCH = 16
@@ -24,7 +27,10 @@ MAX_MICRO_BATCH = 16
 # fits without): Llama 3 used it only for its long-context stage (up to 128K tokens).
 CP_MIN_SEQ_LEN = 16384
 CP_COMMS = ("allgather", "ring")  # parallel.cp_comm values searched at cp > 1
-VIRTUAL_STAGES = range(2, 9)  # chunks per rank; beyond 8 the extra point-to-point outweighs the bubble
+VIRTUAL_STAGES = range(2, 9)
+# ZeRO stages searched: those the trainer accepts (parallel.zero), 3 when it does; the
+# time and memory models know 0 to 3 (planner.overlap, planner.memory)
+ZERO_STAGES = tuple(sorted(get_args(ZeroStage)))  # chunks per rank; beyond 8 the extra point-to-point outweighs the bubble
 
 
 @dataclass
@@ -80,9 +86,11 @@ def ep_degrees(model, dp: int) -> list[int]:
 
 
 def valid_layouts(work: Workload, n_gpus: int, gpus_per_node: int, fixed: dict | None = None,
-                  with_cp: bool = False):
+                  with_cp: bool = False, bucket_rule: bool = False):
     """Yield every valid :class:`Layout` for ``n_gpus``; ``fixed`` pins fields by name.
-    Rank order tp, cp, pp/dp: tp and cp inside a node where they fit."""
+    Rank order tp, cp, pp/dp: tp and cp inside a node where they fit. ``bucket_rule``: each
+    layout's bucket the one :func:`~parallel3d.planner.spec.bucket_mb_for` gives its dp
+    (what `plan` writes), else the config's default (a running job's, unchanged by a move)."""
     fixed = fixed or {}
     model = work.model
     with_cp = with_cp or fixed.get("cp", 1) > 1
@@ -100,10 +108,10 @@ def valid_layouts(work: Workload, n_gpus: int, gpus_per_node: int, fixed: dict |
                 for mb in [d for d in _divisors(per_rank) if d <= MAX_MICRO_BATCH]:
                     if per_rank // mb < pp:
                         continue
-                    yield from _variants(work, tp, cp, pp, dp, mb, per_rank // mb, fixed)
+                    yield from _variants(work, tp, cp, pp, dp, mb, per_rank // mb, fixed, bucket_rule)
 
 
-def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed):
+def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed, bucket_rule=False):
     model = work.model
     schedules = [("1f1b", 1)]
     if pp > 1:
@@ -114,7 +122,9 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed):
             if pp * v <= model.n_layers and n_micro % pp == 0]
         if 2 * pp <= model.n_layers:
             schedules.append(("zb-v", 2))
-    zeros = (0, 1, 2) if dp * cp > 1 else (0,)
+    zeros = ZERO_STAGES if dp * cp > 1 else (0,)
+    if getattr(model, "moe", None) is not None:  # the trainer's ZeRO 3 refuses MoE models (check_zero3)
+        zeros = tuple(z for z in zeros if z != 3)
     eps = ep_degrees(model, dp)
     # sequence parallelism splits a cp rank's S / cp tokens over tp
     sps = (False, True) if tp > 1 and (work.seq_len // cp) % tp == 0 else (False,)
@@ -124,7 +134,9 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed):
     for (schedule, v), zero, recompute, sp, comm, ep in product(schedules, zeros, ("none", "selective", "full"),
                                                                  sps, comms, eps):
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, schedule=schedule, virtual_stages=v,
-                        zero=zero, recompute=recompute, sequence_parallel=sp, cp=cp, cp_comm=comm, ep=ep)
+                        zero=zero, recompute=recompute, sequence_parallel=sp, cp=cp, cp_comm=comm, ep=ep,
+                        reduce_dtype=fixed.get("reduce_dtype", "fp32"),
+                        bucket_mb=fixed.get("bucket_mb", bucket_mb_for(dp * cp) if bucket_rule else Layout.bucket_mb))
         if all(getattr(layout, k) == val for k, val in fixed.items()):
             yield layout
 
@@ -148,7 +160,7 @@ def search(work: Workload, n_gpus: int, gpus_per_node: int, gpu: GPU, eff: Effic
     K/V traffic), or when no layout fits without it."""
     def evaluated(with_cp: bool, least_cp: int = 1) -> list[Candidate]:
         return [evaluate(work, layout, gpu, gpus_per_node, eff)
-                for layout in valid_layouts(work, n_gpus, gpus_per_node, fixed, with_cp)
+                for layout in valid_layouts(work, n_gpus, gpus_per_node, fixed, with_cp, bucket_rule=True)
                 if layout.cp >= least_cp]
 
     with_cp = work.seq_len >= CP_MIN_SEQ_LEN

@@ -45,6 +45,14 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
+def bucket_mb_for(replicas: int) -> float:
+    """The bucket the planner writes for ``replicas`` data-parallel ranks (MiB of fp32):
+    Megatron-Core's default, ``max(40M, 1M x dp)`` parameters a bucket, "larger DP sizes
+    need larger buckets to ensure collectives do not become latency-bound"
+    (``DistributedDataParallelConfig.bucket_size``); rounded to whole MiB."""
+    return float(round(4 * max(40_000_000, 1_000_000 * replicas) / 2**20))
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int = 1
@@ -59,6 +67,12 @@ class Layout:
     cp: int = 1  # context parallelism: sequences split over cp ranks (weights replicated)
     ep: int = 1  # expert parallelism, carved from dp
     cp_comm: str = "auto"  # allgather, ring, or auto (context_parallel.cost.choose_comm)
+    reduce_dtype: str = "fp32"  # what gradient reductions send: fp32 or bf16 (parallel.reduce_dtype)
+    # ZeRO 1/2: the post-step all-gather runs under the next forward (parallel.overlap_param_gather)
+    overlap_param_gather: bool = True
+    # fp32 bytes of a gradient bucket, each its own collective (parallel.bucket_mb); ZeRO 3
+    # gathers the parameters in the same buckets (a bucket as large as a layer: FSDP's units)
+    bucket_mb: float = 25.0
 
     @property
     def world_size(self) -> int:
@@ -96,6 +110,12 @@ class Layout:
         if self.pp > 1:
             parts.append(self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
         parts.append(f"zero{self.zero}")
+        if self.reduce_dtype != "fp32":
+            parts.append(f"{self.reduce_dtype}-reduce")
+        if not self.overlap_param_gather and self.zero in (1, 2):
+            parts.append("gather-after-step")
+        if self.bucket_mb != bucket_mb_for(self.replicas) and self.replicas > 1:
+            parts.append(f"bucket{self.bucket_mb:g}MB")
         parts.append(f"rc-{self.recompute}")
         if self.sequence_parallel:
             parts.append("sp")
@@ -109,7 +129,9 @@ class Layout:
                    schedule=par.schedule, virtual_stages=par.virtual_stages, zero=par.zero,
                    recompute=cfg.train.recompute, sequence_parallel=par.sequence_parallel,
                    cp=par.cp, ep=par.ep,
-                   cp_comm=par.cp_comm if par.cp > 1 else "auto")  # no comm at cp 1: one layout
+                   cp_comm=par.cp_comm if par.cp > 1 else "auto",  # no comm at cp 1: one layout
+                   reduce_dtype=par.reduce_dtype,
+                   overlap_param_gather=getattr(par, "overlap_param_gather", True), bucket_mb=par.bucket_mb)
 
 
 def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None,

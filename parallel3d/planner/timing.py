@@ -46,17 +46,22 @@ so it is simulated (cached by pp and the cost ratios, 0.1 s at pp 16). Each slot
 and its gradient back (point-to-point, on the inter-node link when pipeline neighbours
 sit on different nodes), once per chunk of the rank; these are not overlapped either.
 
-After the last backward, data parallelism over the replicas dp x cp (cp ranks hold the
-same weights; routed experts over edp x cp, dp / ep x cp, in a collective of their own): ZeRO 0 all-reduces the fp32 gradients, ZeRO 1
-reduce-scatters them and all-gathers the updated weights, ZeRO 2 reduce-scatters after
-every micro-batch (overlapped with the next micro-batch's compute; the last one is
-exposed) and all-gathers the weights. The ring collectives use the alpha-beta model::
+Data parallelism over the replicas dp x cp (cp ranks hold the same weights; routed
+experts over edp x cp, dp / ep x cp, in a collective of their own) overlaps the compute
+(:mod:`parallel3d.planner.overlap`): the gradients are all-reduced (ZeRO 0) or
+reduce-scattered (ZeRO 1, 2) bucket by bucket as the backward fills them, ZeRO 1 and 2
+all-gather the updated weights under the next forward (``parallel.overlap_param_gather``),
+ZeRO 3 gathers each layer's weights before its forward and backward with the next one
+prefetched; each stage's exposed part (what its compute does not hide) counts, the
+largest of the stages'. Gradients cross the wire in fp32, or bf16 with
+``parallel.reduce_dtype``. The ring collectives use the alpha-beta model::
 
     all-reduce      2 (n-1)/n * bytes / bw + 2 (n-1) * latency
     reduce-scatter    (n-1)/n * bytes / bw +   (n-1) * latency   (all-gather alike)
 
-with ``bw = link peak * efficiency.link`` of the slowest link the group spans. Finally the
-optimizer step streams master weights, gradients and moments through HBM.
+with ``bw = link peak * efficiency.link`` of the slowest link the group spans (a data-
+parallel ring across nodes: one NIC per member in a node, up to NVLink's figure).
+Finally the optimizer step streams master weights, gradients and moments through HBM.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_
 from parallel3d.planner.experts import a2a_seconds, routed_tokens, sparse_layers_of
 from parallel3d.planner.hardware import GPU, Efficiency
 from parallel3d.planner.memory import kv_width, stage_expert_params, stage_params
+from parallel3d.planner.overlap import DpTime, Unit, dp_time
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
 
 
@@ -79,16 +85,22 @@ class StepTime:
     bubble_s: float
     tp_comm_s: float
     pp_comm_s: float
-    dp_comm_s: float  # exposed
+    dp_comm_s: float  # exposed (what the compute does not hide)
     optimizer_s: float
     tokens_per_s: float
     mfu: float
     cp_comm_s: float = 0.0  # context parallelism's exposed K/V traffic
     ep_comm_s: float = 0.0  # expert parallelism's all-to-alls, exposed
+    dp_hidden_s: float = 0.0  # data-parallel link seconds under the compute
 
     @property
     def exposed_comm_s(self) -> float:
         return self.tp_comm_s + self.cp_comm_s + self.ep_comm_s + self.pp_comm_s + self.dp_comm_s
+
+    @property
+    def hidden_comm_s(self) -> float:
+        """Communication the compute hides (the data-parallel collectives')."""
+        return self.dp_hidden_s
 
 
 def ring_time(kind: str, nbytes: float, n: int, bw: float, latency: float) -> float:
@@ -263,16 +275,19 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
         pp_comm_s = 2 * (m + bubble_s / slot) * layout.virtual_stages * msg
 
     # -- data parallelism and the optimizer step ----------------------------------------
-    # The fullest stage's parameters: the dense ones reduce (and ZeRO shards them) over the
-    # replicas dp x cp, the routed experts over edp x cp, in collectives of their own.
+    # Each stage's collectives against its own compute (the slot's communication spread
+    # over the slowest stage's layers); the stage exposing most counts.
+    f_comm = (f - slowest[0] * tokens / flop_rate) / max_layers
+    b_comm = (bwd - slowest[1] * tokens / flop_rate) / max_layers
+    dp = max((stage_dp_time(work, layout, r, split, phases[r], tokens, flop_rate, f_comm, b_comm, gpu,
+                            gpus_per_node, eff) for r in range(layout.pp)), key=lambda d: d.exposed_s)
+    dp_comm_s = dp.exposed_s
+    # Adam reads and writes master weights (or fp32 weights) and both moments, reads the
+    # gradient, and writes the bf16 weights back: about 32 bytes per element held.
     fullest = max(range(layout.pp), key=lambda r: stage_params(model, layout, r, split)[0])
     n_expert = stage_expert_params(model, layout, fullest, split)
     parts = [(stage_params(model, layout, fullest, split)[0] - n_expert, layout.replicas),
              (n_expert, layout.expert_replicas)]
-    dp_comm_s = sum(dp_seconds(n, replicas, layout, b, gpu, gpus_per_node, eff, slot, m)
-                    for n, replicas in parts if n)
-    # Adam reads and writes master weights (or fp32 weights) and both moments, reads the
-    # gradient, and writes the bf16 weights back: about 32 bytes per element held.
     held = sum(n / (replicas if layout.zero >= 1 else 1) for n, replicas in parts)
     optimizer_s = 32 * held / (gpu.hbm_bytes_per_s * eff.memory)
 
@@ -282,23 +297,40 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     return StepTime(step_s=step_s, compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                     pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
                     tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops),
-                    cp_comm_s=cp_comm_s, ep_comm_s=ep_comm_s)
+                    cp_comm_s=cp_comm_s, ep_comm_s=ep_comm_s, dp_hidden_s=dp.hidden_s)
 
 
-def dp_seconds(n_params: int, replicas: int, layout: Layout, b: dict, gpu: GPU, gpus_per_node: int,
-               eff: Efficiency, slot: float, m: int) -> float:
-    """Exposed seconds of the data-parallel collectives of ``n_params`` parameters over
-    ``replicas`` ranks (tp * replicas ranks span them at least): ZeRO 0 all-reduces the
-    gradients; ZeRO 1 reduce-scatters them and all-gathers the weights; ZeRO 2 reduce-
-    scatters after every micro-batch, the next backward (``slot``) hiding what it can."""
-    dp_bw, dp_lat = _links(gpu, eff, layout.tp * replicas <= gpus_per_node)
-    grad_bytes = n_params * b["grad"]
-    weight_bytes = n_params * b["weight"]
-    if layout.zero == 0:
-        return ring_time("all_reduce", grad_bytes, replicas, dp_bw, dp_lat)
-    if layout.zero == 1:
-        return (ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
-                + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat))
-    rs = ring_time("reduce_scatter", grad_bytes, replicas, dp_bw, dp_lat)
-    unhidden = max(0.0, rs - 2 / 3 * slot) * (m - 1)  # what the next backward cannot hide
-    return rs + unhidden + ring_time("all_gather", weight_bytes, replicas, dp_bw, dp_lat)
+def stage_units(work: Workload, layout: Layout, pp_rank: int, split: list[int], phase: tuple[float, float, float],
+                tokens: int, flop_rate: float, f_comm: float, b_comm: float) -> list[Unit]:
+    """``pp_rank``'s parameters as :class:`~parallel3d.planner.overlap.Unit` s in forward
+    order: the embedding (no compute), its decoder layers (the stage's compute less the
+    head's, in equal shares, each with ``f_comm`` / ``b_comm`` seconds of the layer's own
+    collectives), the final norm and head."""
+    model = work.model
+    chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
+    layers = sum(split[c] for c in chunks)
+    n = stage_params(model, layout, pp_rank, split)[0]
+    n_expert = stage_expert_params(model, layout, pp_rank, split)
+    first, last = 0 in chunks, (layout.chunks - 1) in chunks
+    embed = model.vocab_size * model.dim // layout.tp
+    head_params = (model.dim + (0 if model.tie_embeddings and first else embed)) if last else 0
+    head_s = head_forward_flops_per_token(model) / layout.tp * tokens / flop_rate if last else 0.0
+    f_s, b_s = phase[0] * tokens / flop_rate, (phase[1] + phase[2]) * tokens / flop_rate
+    per_layer = (n - (embed if first else 0) - head_params) / max(1, layers)
+    units = [Unit(0.0, 0.0, embed)] if first else []
+    units.append(Unit((f_s - head_s) / layers + f_comm, (b_s - 2 * head_s) / layers + b_comm, per_layer,
+                      n_expert / layers, count=layers))
+    if last:
+        units.append(Unit(head_s, 2 * head_s, head_params))
+    return units
+
+
+def stage_dp_time(work: Workload, layout: Layout, pp_rank: int, split: list[int], phase: tuple[float, float, float],
+                  tokens: int, flop_rate: float, f_comm: float, b_comm: float, gpu: GPU, gpus_per_node: int,
+                  eff: Efficiency) -> DpTime:
+    """The data-parallel traffic of ``pp_rank`` against its compute (:func:`~parallel3d.planner.overlap.dp_time`)."""
+    units = stage_units(work, layout, pp_rank, split, phase, tokens, flop_rate, f_comm, b_comm)
+    grad_bytes = 2 if layout.reduce_dtype == "bf16" else work.bytes["grad"]
+    return dp_time(units, layout.zero, layout.n_micro(work), layout.replicas, layout.expert_replicas, layout.tp,
+                   grad_bytes, work.bytes["weight"], layout.overlap_param_gather, int(layout.bucket_mb * 2**20),
+                   gpu, eff, gpus_per_node)
