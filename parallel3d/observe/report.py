@@ -107,6 +107,17 @@ def autopilot_lines(events: list[dict]) -> list[str]:
     return out
 
 
+def resize_lines(events: list[dict]) -> list[str]:
+    """One line per change of world size (elastic runs: parallel3d/reliability/elastic.py)."""
+    out = []
+    for e in events:
+        if e.get("event") == "resize":
+            parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in e["phases_s"].items())
+            out.append(f"resize, step {e['step']}: {e['from_world']} -> {e['to_world']} ranks, "
+                       f"{e['recovery_s']:.1f} s from the last step logged to the first forward ({parts})")
+    return out
+
+
 # A rank is named the slowest only when its median busy time exceeds the fastest's by this
 # share: below it, which rank is "slowest" is noise (0.3 ms in 40 ms).
 SLOWEST_GAP = 0.05
@@ -122,7 +133,8 @@ def steady_records(records: list[dict]) -> list[dict]:
 
 def summary(records: list[dict], events: list[dict] = ()) -> str:
     """A few lines: steps, final loss, held-out loss, median throughput and step time, the
-    median breakdown's shares, the slowest rank, and the autopilot's decisions."""
+    median breakdown's shares, the slowest rank, the autopilot's decisions and the changes
+    of world size."""
     last = records[-1]
     steady = steady_records(records)
     med = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
@@ -167,6 +179,7 @@ def summary(records: list[dict], events: list[dict] = ()) -> str:
         lines.append(f"peak memory {max(r.get('peak_mem_bytes', 0) for r in records) / 2**30:.2f} GiB "
                      f"({last.get('mem_source', '')}, max over ranks)")
     lines += autopilot_lines(list(events))
+    lines += resize_lines(list(events))
     return "\n".join(lines)
 
 
