@@ -1,5 +1,6 @@
 """LoRA in and out of checkpoints and Hugging Face folders: a LoRA run on a Hugging Face
-base saves its adapters (and their Adam state) in its checkpoints, resumes at another
+base saves its adapters (and their Adam state) in its checkpoints with the base by
+reference (no frozen weight in them), resumes at another
 layout with the uninterrupted run's losses (fp32, 1e-5), and at the end writes the
 adapters as a PEFT folder (``checkpoint.export_peft``) and the merged model as a Hugging
 Face folder (``checkpoint.export_hf``): peft loads the folder onto the base and gives the
@@ -66,9 +67,11 @@ def test_lora_resumes_at_another_layout_and_exports(pools, corpus_dir, tmp_path)
     straight = _run(_job(corpus_dir, tmp_path / "one", hf_dir))
     first = pools(2).run(_run, _job(corpus_dir, tmp_path / "dp2", hf_dir, dp=2, zero=2), STOP)[0]
     stopped = find_checkpoint(tmp_path / "dp2" / "checkpoints")
-    with CheckpointReader(stopped) as reader:  # adapters and their moments, the frozen base without
+    with CheckpointReader(stopped) as reader:  # what trains and its moments; the base by reference
         names = reader.names()
         assert "model/layers.0.self_attn.q_proj.lora_A.weight" in names
+        assert all(".lora_" in n for n in names if n.startswith("model/")), names
+        assert reader.index.config["model"]["hf_checkpoint"] == str(hf_dir)
         assert "optim/exp_avg/layers.1.mlp.down_proj.lora_B.weight" in names
         assert not any(n.startswith("optim/") and ".lora_" not in n for n in names)
     job = _job(corpus_dir, tmp_path / "tp2", hf_dir, tp=2)
@@ -103,9 +106,10 @@ def test_lora_resumes_at_another_layout_and_exports(pools, corpus_dir, tmp_path)
 
 
 def test_lora_checkpoint_exports_its_base_unmerged(pools, corpus_dir, tmp_path):
-    """``convert --to hf`` of a LoRA run's checkpoint without ``merge_lora`` writes the
-    base model, bit for bit the Hugging Face folder it started from (adapters left out);
-    resuming it with another lora.rank names the setting to change."""
+    """``convert --to hf`` of a LoRA run's checkpoint (the adapters, the base by reference)
+    without ``merge_lora`` writes the base model, bit for bit the Hugging Face folder it
+    started from; resuming it with another lora.rank, or converting it with its base
+    gone, names what to change."""
     hf_dir = make_hf_model("llama", tmp_path / "hf")
     job = _job(corpus_dir, tmp_path / "run", hf_dir)
     job["train"]["steps"] = 2
@@ -120,3 +124,23 @@ def test_lora_checkpoint_exports_its_base_unmerged(pools, corpus_dir, tmp_path):
     other["checkpoint"]["resume"] = str(saved)
     with pytest.raises(UserError, match="resume with the lora.rank it was trained with"):
         Trainer(config_from_dict(other), Topology(1, 1, 1))
+    hf_dir.rename(tmp_path / "moved")  # the checkpoint holds no frozen weight: it needs its base
+    with pytest.raises(UserError, match="put the base back"):
+        convert(saved, tmp_path / "again", to="hf", progress=False)
+
+
+def test_lora_on_the_seeded_base_resumes_from_a_checkpoint_holding_the_base(corpus_dir, tmp_path):
+    """Without model.hf_checkpoint the frozen base is the seeded init, which no folder
+    holds: the checkpoint carries it, and a resumed run goes on with the straight run's
+    losses (one process, the same layout: bit for bit)."""
+    def job(name):
+        j = tiny_job(corpus_dir, str(tmp_path / name), train={"steps": 4, "lr": 2e-2},
+                     lora={"rank": 4, "alpha": 8.0, "targets": TARGETS}, checkpoint={"interval": 2, "keep": 0})
+        return j
+
+    straight = _run(job("straight"))["losses"]
+    first = _run(job("resumed"), 2)["losses"]
+    with CheckpointReader(find_checkpoint(tmp_path / "resumed" / "checkpoints")) as reader:
+        assert reader.has("model/layers.0.mlp.up_proj.weight") and reader.has("model/embed_tokens.weight")
+    again = _run(job("resumed"))
+    assert again["resumed"] and first + again["losses"] == straight

@@ -176,7 +176,9 @@ class Checkpointer:
                 found.verify_shared(self.topo.rank, self.topo.world_size, self.group)
             saved = found.index.model if isinstance(found, CheckpointReader) else model_identity(found.model_config)
             check_same_model(saved, model_identity(self.model_cfg), found.folder)
-            source = found
+            from .peft import with_lora_base
+
+            source = with_lora_base(found)  # LoRA: the frozen weights from the base the checkpoint names
             self.resumed_from = Path(found.folder)
         elif self.job.model.hf_checkpoint:
             from .hf import HFFolder
@@ -197,6 +199,8 @@ class Checkpointer:
                 name = "master/" + pl.name  # fp32 masters of a bf16 run: full precision
             read_block(source, name, pl, p.dtype, p.device, out=p)  # this rank's slice, in place
         self.hf_config = source.hf_config
+        if source is not found and found is not None:
+            source.base.close()  # the LoRA base's files; the checkpoint stays open for the training state
         return str(source.folder)
 
     def load_training_state(self, trainer) -> int:
@@ -325,8 +329,12 @@ class Checkpointer:
             wait()  # a sharded optimizer may still be gathering the updated parameters
         self.writer.wait()  # the previous background save, before state is copied again
         placements = self._placements(trainer.model)
+        # LoRA on a Hugging Face base: what trains, and the base by reference (the job's
+        # model.hf_checkpoint, in the saved config); the frozen weights stay in the base
+        frozen_by_reference = bool(self.job.lora.rank and self.job.model.hf_checkpoint)
         slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
-                 for p in trainer.model.parameters() if placements[id(p)].writer]
+                 for p in trainer.model.parameters()
+                 if placements[id(p)].writer and (p.requires_grad or not frozen_by_reference)]
         opt_scalars, opt_slots = optimizer_slots(trainer.optimizer, placements)
         # whole blocks are equal over dp (one writer); flat shards of a sharded optimizer
         # differ over dp (each dp rank writes its own) and are equal over model-parallel

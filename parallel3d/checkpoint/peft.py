@@ -153,6 +153,7 @@ def lora_export_view(source, merge: bool):
     """``source`` for a Hugging Face export: unchanged without adapters; else a
     :class:`LoraExportView`, merged (``merge``) with the scaling alpha / rank of the
     ``[lora]`` section the checkpoint was trained with."""
+    source = with_lora_base(source)  # a checkpoint of the adapters only: its base's frozen weights
     if not any(".lora_" in n for n in source.names()):
         return source
     if not merge:
@@ -162,3 +163,68 @@ def lora_export_view(source, merge: bool):
         raise ValueError(f"{source.folder}: holds LoRA adapters but no [lora] section with their rank "
                          "and alpha to merge them with")
     return LoraExportView(source, float(lora["alpha"]) / int(lora["rank"]))
+
+
+def base_reference(config: dict | None) -> str:
+    """The Hugging Face base a LoRA run's checkpoint refers to for its frozen weights
+    (``model.hf_checkpoint`` of the job it saved), or "" when it holds them itself."""
+    config = config or {}
+    if not (config.get("lora") or {}).get("rank"):
+        return ""
+    return (config.get("model") or {}).get("hf_checkpoint") or ""
+
+
+class WithBase:
+    """A LoRA checkpoint (what trained) over its Hugging Face base (the frozen weights):
+    one source serving both; the checkpoint's own tensors, step and configs first."""
+
+    def __init__(self, source, base):
+        self.source, self.base = source, base
+
+    def __getattr__(self, name):
+        return getattr(self.source, name)
+
+    def _of(self, name: str):
+        return self.source if self.source.has(name) else self.base
+
+    def names(self, *prefix) -> list[str]:
+        own = self.source.names(*prefix)
+        held, start = set(own), prefix[0] if prefix else ""
+        return own + [n for n in self.base.names() if n.startswith(start) and n not in held]
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name) or self.base.has(name)
+
+    def spec(self, name: str):
+        return self._of(name).spec(name)
+
+    def read_region(self, name: str, offsets, shape):
+        return self._of(name).read_region(name, offsets, shape)
+
+    def read(self, name: str):
+        return self._of(name).read(name)
+
+    def read_tiles(self, name: str):
+        read = getattr(self._of(name), "read_tiles", None)
+        return None if read is None else read(name)
+
+    def close(self) -> None:
+        self.source.close()
+        self.base.close()
+
+
+def with_lora_base(source, config: dict | None = None):
+    """``source`` (a checkpoint) with the frozen weights of the base it refers to, when it
+    holds only what trained (:func:`base_reference`); else ``source`` unchanged."""
+    from parallel3d.errors import UserError
+
+    from .hf import HFFolder
+
+    config = config if config is not None else getattr(getattr(source, "index", None), "config", None)
+    base = base_reference(config)
+    if not base or isinstance(source, WithBase):
+        return source
+    if not Path(base).is_dir():
+        raise UserError(f"{source.folder} holds the LoRA adapters only; its base model.hf_checkpoint "
+                        f"'{base}' is not there: put the base back at that path")
+    return WithBase(source, HFFolder(base))
