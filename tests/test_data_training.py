@@ -156,9 +156,12 @@ def test_too_small_validation_split_is_a_clear_error(prepared_dir, tmp_path):
 def test_stdlib_corpus_is_a_prepared_dataset(corpus_dir):
     from pathlib import Path
 
-    (d,) = [p for p in Path(corpus_dir).iterdir() if p.name.startswith("stdlib-")]
-    ds = open_dataset(d)
-    assert ds.index["source"]["max_bytes"] == 1_000_000 and ds.num_tokens("train") > 100_000
+    # the session's corpus (1 MB, the default 2% held out); tests that validate add variants
+    # with another val_fraction beside it in the same cache
+    (ds,) = [ds for ds in (open_dataset(p) for p in Path(corpus_dir).iterdir() if p.name.startswith("stdlib-"))
+             if ds.index["source"]["max_bytes"] == 1_000_000 and ds.index["source"]["val_fraction"] == 0.02]
+    d = ds.dir
+    assert ds.num_tokens("train") > 100_000
     assert (d / "tokenizer" / "tokenizer.json").is_file()
 
 
