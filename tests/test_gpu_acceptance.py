@@ -181,3 +181,15 @@ def test_the_gpu_selection_leaves_out_the_autotune_test_only():
     everything, selected = collected(), collected("-k", sections.GPU_SELECTION)
     assert everything - selected == {"tests/test_kernels_linear.py::test_autotune_on_gpu_records_and_stays_correct"}
     assert any("bf16" in name for name in selected), selected
+
+
+def test_the_report_says_what_one_gpu_cannot_show():
+    """Issue 38, point 4: the report names what one GPU leaves unshown (NCCL, overlap
+    across devices, ZeRO 3's prefetch), whatever the sections' results."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_acceptance as acc
+
+    text = acc.markdown([], smoke=True)
+    assert "## What one GPU shows and cannot" in text
+    for words in ("Cannot be shown on one GPU: NCCL", "ZeRO 3", "overlap_param_gather", "reduce_dtype"):
+        assert words in text, words
