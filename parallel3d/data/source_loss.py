@@ -13,9 +13,8 @@ global batch's supervised targets over dp), the per-source losses weighted by th
 counts give the step loss exactly (:func:`weighted_step_loss`).
 
 :class:`SourceLossSums` accumulates ``sums`` over a step's micro-batches on the device;
-the trainer adds its (K,) vector to the step's one all-reduce. The wiring in the trainer,
-the pipeline runtime and the loss function is not in this package (see the issue's
-report).
+its :meth:`~SourceLossSums.step_part` (the sums and the supervised tokens, (2K,)) goes into
+the trainer's one all-reduce of the step.
 """
 
 from __future__ import annotations
@@ -45,6 +44,21 @@ class SourceLossSums:
         """The step's sums (this rank's part); the accumulator starts again at zero."""
         out, self.sums = self.sums, torch.zeros_like(self.sums)
         return out
+
+    def step_part(self, micro_batches, counts: bool, ignore_index: int) -> torch.Tensor:
+        """This rank's part of the step's per-source figures for the step's one all-reduce:
+        (2K,) fp64, the K sources' summed token losses then their supervised tokens (targets
+        other than ``ignore_index``). ``counts``: whether this rank holds the loss (the last
+        stage's tp rank 0: the other tp ranks hold the same loss); zeros elsewhere."""
+        sums = self.take()
+        tokens = torch.zeros(self.n_sources, dtype=torch.float64, device=self.device)
+        if counts:
+            for mb in micro_batches:
+                rows = (mb.targets != ignore_index).sum(dim=1).to(device=self.device, dtype=torch.float64)
+                tokens.index_add_(0, mb.sources.to(self.device), rows)
+        else:
+            sums.zero_()
+        return torch.cat([sums, tokens])
 
 
 def source_tokens(windows, indices) -> list[int]:

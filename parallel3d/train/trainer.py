@@ -31,7 +31,6 @@ micro-batch's mean / micro-batches, dp ranks averaged; masked data: ``loss_divis
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -61,6 +60,7 @@ from parallel3d.train.metrics import MetricsLogger
 from parallel3d.train.moe import MoESteps
 from parallel3d.train.optim import autocast_for, build_optimizer, lr_at, storage_dtype
 from parallel3d.train.setup import check_job, check_paths, resolve_model_config
+from parallel3d.zero.memory import log_memory
 
 
 class Trainer:
@@ -186,7 +186,8 @@ class Trainer:
             hook(self)
         # MoE: the step's expert counts summed over the replicas, the selection biases moved
         moe_parts = self.moe.finish_step() if self.moe is not None else None
-        source_part = self._source_part(micro_batches) if self.source_sums is not None else None
+        source_part = None if self.source_sums is None else self.source_sums.step_part(
+            micro_batches, self.topo.is_last_stage and self.topo.tp_rank == 0, IGNORE_INDEX)
         with timeline.span("optimizer", "optimizer"):
             self.watch.enter("gradient sync", "dp")
             norm_share = self.optimizer.reduce_gradients()
@@ -212,22 +213,6 @@ class Trainer:
         if self.step == min(self.cfg.run.trace_steps, self.cfg.train.steps):
             write_trace(self.timeline, Path(self.cfg.run.dir) / "trace.json", self.topo)
         return record
-
-    def _source_part(self, micro_batches) -> torch.Tensor:
-        """This rank's part of the step's per-source figures: (2K,) fp64, the K sources'
-        summed token losses then their supervised tokens; counted where the loss is (the
-        last stage, tp rank 0: the other tp ranks hold the same loss), zero elsewhere."""
-        sums = self.source_sums.take()
-        k = len(self.source_names)
-        tokens = torch.zeros(k, dtype=torch.float64, device=self.device)
-        counts = self.topo.is_last_stage and self.topo.tp_rank == 0
-        if counts:
-            for mb in micro_batches:
-                rows = (mb.targets != IGNORE_INDEX).sum(dim=1).to(device=self.device, dtype=torch.float64)
-                tokens.index_add_(0, mb.sources.to(self.device), rows)
-        else:
-            sums.zero_()
-        return torch.cat([sums, tokens])
 
     def wait_for_issued_work(self) -> None:
         """Return when the device has done the work this step issued on the current stream
@@ -381,23 +366,6 @@ class Trainer:
         if self.topo.rank == 0:
             print(f"parallel3d: warning: {message}", file=sys.stderr, flush=True)
 
-    def _log_memory(self) -> None:
-        """Per-rank bytes of parameters, gradients and optimizer state (from storage) to
-        ``RUN_DIR/memory.json``; rank 0 prints its own line."""
-        from parallel3d.zero.memory import memory_report
-
-        report = {**memory_report(self.model, self.optimizer), **self.topo.coords()}
-        reports = [report]
-        if dist.is_initialized() and self.topo.world_size > 1:  # to rank 0 only
-            reports = [None] * self.topo.world_size if self.topo.rank == 0 else None
-            dist.gather_object(report, reports, dst=0)
-        if self.metrics is not None:
-            (Path(self.cfg.run.dir) / "memory.json").write_text(json.dumps(reports, indent=1))
-            mib = {k: report[k] / 2**20 for k in ("params", "grads", "optimizer_state")}
-            print(f"memory rank 0 (MiB): params {mib['params']:.1f}  grads {mib['grads']:.1f}  "
-                  f"optimizer state {mib['optimizer_state']:.1f}  "
-                  f"(zero={self.cfg.parallel.zero}, all ranks in memory.json)", flush=True)
-
     def fit(self, stop_at: int | None = None) -> list[dict]:
         """Train to ``train.steps`` (or stop after step ``stop_at``, as a run that is
         interrupted and resumed later); returns the records of the steps run.
@@ -433,7 +401,8 @@ class Trainer:
                 self._show(record, bar)
             if not self._memory_logged:  # every buffer exists after this trainer's first step
                 self._memory_logged = True
-                self._log_memory()
+                log_memory(self.model, self.optimizer, self.topo,
+                           Path(self.cfg.run.dir) if self.metrics is not None else None, self.cfg.parallel.zero)
             if self.checkpointer.due(self):
                 self.finish_records()  # metrics.jsonl holds every step the checkpoint covers
             self._report(self.completed_records(), bar)

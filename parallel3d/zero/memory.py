@@ -12,9 +12,12 @@ it is freed, giving the live and peak bytes allocated while it is active.
 
 from __future__ import annotations
 
+import json
 import weakref
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -59,6 +62,23 @@ def memory_report(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
     }
     out["total"] = sum(out.values())
     return out
+
+
+def log_memory(model: torch.nn.Module, optimizer, topo, run_dir: Path | None, zero_stage: int) -> None:
+    """Every rank's :func:`memory_report` with its coordinates, gathered to rank 0 (a
+    collective: every rank calls), written to ``run_dir/memory.json`` where ``run_dir`` is
+    given (the logging rank), which prints its own line."""
+    report = {**memory_report(model, optimizer), **topo.coords()}
+    reports = [report]
+    if dist.is_initialized() and topo.world_size > 1:  # to rank 0 only
+        reports = [None] * topo.world_size if topo.rank == 0 else None
+        dist.gather_object(report, reports, dst=0)
+    if run_dir is not None:
+        (run_dir / "memory.json").write_text(json.dumps(reports, indent=1))
+        mib = {k: report[k] / 2**20 for k in ("params", "grads", "optimizer_state")}
+        print(f"memory rank 0 (MiB): params {mib['params']:.1f}  grads {mib['grads']:.1f}  "
+              f"optimizer state {mib['optimizer_state']:.1f}  "
+              f"(zero={zero_stage}, all ranks in memory.json)", flush=True)
 
 
 class AllocationMeter(TorchDispatchMode):
