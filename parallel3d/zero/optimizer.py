@@ -47,7 +47,7 @@ from parallel3d.topology import Topology
 from .adam import CpuOffloadAdamW, FlatAdamW
 from .buckets import BucketLayout
 from .grads import GradReducer
-from .params import ShardedParams
+from .params import ShardedParams, bucket_readers
 
 
 def _unique(params) -> list[torch.nn.Parameter]:
@@ -258,17 +258,9 @@ class ZeroOptimizer(GlobalNormOptimizer):
 
     def _hook_forward(self, model: torch.nn.Module) -> None:
         """Before a module's forward, wait for the all-gathers of the buckets holding the
-        parameters it reads: its own, and, for a layer computed together with others
-        (column-parallel layers tied by ``share_input``: the first one called computes
-        all of their outputs), those of every member of its group."""
-        index = {id(p): i for i, p in enumerate(self.params)}
-        for module in model.modules():
-            shared = getattr(module, "shared_input", None)
-            readers = shared.layers if shared is not None else [module]
-            buckets = sorted({self.layout.location[index[id(p)]][0]
-                              for m in readers for p in m.parameters(recurse=False) if id(p) in index})
-            if buckets:
-                module.register_forward_pre_hook(partial(self._wait_gathers, buckets))
+        parameters it reads (:func:`bucket_readers`)."""
+        for module, buckets in bucket_readers(model, self.params, self.layout):
+            module.register_forward_pre_hook(partial(self._wait_gathers, buckets))
 
     # -- the interface the trainer sees ------------------------------------------------------
     def begin_step(self, backward_passes: int | None = None) -> None:

@@ -47,6 +47,23 @@ from parallel3d.distributed import all_gather_flat
 from .buckets import BucketLayout
 
 
+def bucket_readers(model: torch.nn.Module, params: list, layout: BucketLayout) -> list[tuple]:
+    """``(module, sorted bucket indices)`` for every module of ``model`` (in ``modules()``
+    order) that reads parameters of ``params``: its own, and for a layer computed together
+    with others (column-parallel layers tied by ``share_input``: the first one called
+    computes all of their outputs) those of every member of its group."""
+    index = {id(p): i for i, p in enumerate(params)}
+    users = []
+    for module in model.modules():
+        shared = getattr(module, "shared_input", None)
+        readers = shared.layers if shared is not None else [module]
+        buckets = sorted({layout.location[index[id(p)]][0]
+                          for m in readers for p in m.parameters(recurse=False) if id(p) in index})
+        if buckets:
+            users.append((module, buckets))
+    return users
+
+
 class ShardedParams:
     """The gathered / freed state of every bucket's full parameters (see the module doc).
 
@@ -167,15 +184,7 @@ class ShardedParams:
     # -- hooks ----------------------------------------------------------------------------
     def hook(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         """Forward pre/post hooks on every module reading parameters of ``params``."""
-        index = {id(p): i for i, p in enumerate(params)}
-        users = []
-        for module in model.modules():
-            shared = getattr(module, "shared_input", None)
-            readers = shared.layers if shared is not None else [module]
-            buckets = sorted({self.layout.location[index[id(p)]][0]
-                              for m in readers for p in m.parameters(recurse=False) if id(p) in index})
-            if buckets:
-                users.append((module, buckets))
+        users = bucket_readers(model, params, self.layout)
         last_user = {b: k for k, (_, buckets) in enumerate(users) for b in buckets}
         self._first_user = {b: k for k, (_, buckets) in reversed(list(enumerate(users))) for b in buckets}
         for k, (module, buckets) in enumerate(users):
