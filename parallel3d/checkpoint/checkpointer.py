@@ -18,6 +18,7 @@ describe every rank's state in the same terms.
 from __future__ import annotations
 
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ from parallel3d.errors import UserError
 
 from .errors import CheckpointError
 from .format import check_same_model, model_identity
-from .optim_state import load_optimizer, optimizer_slots
+from .optim_state import load_optimizer, optimizer_slots, sharded_model_slots
 from .reader import CheckpointReader, find_checkpoint
 from .save import CheckpointWriter, RankPayload, snapshot
 from .state import Slot, param_placements, read_block, rng_state, set_rng_state
@@ -82,10 +83,16 @@ class Checkpointer:
         if dist.is_initialized() and topo.world_size > 1:
             # Its own gloo group: a background save gathers on it while training
             # communicates on the others (and CPU objects need gloo under nccl too).
-            self.group = dist.new_group(backend="gloo")
+            # Bound by the job's timeout like every other group (torch's default for a new
+            # group is 30 minutes: a peer lost during a save hung the others that long);
+            # the waits that are not communication carry limits of their own (the write
+            # phase: save.write_wait_s; the load: LOAD_WAIT_S).
+            timeout = timedelta(seconds=topo.timeout_s) if topo.timeout_s else None
+            self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.writer = CheckpointWriter(self.root, topo.rank, topo.world_size, self.group,
                                        keep=c.keep, token=self._agree(secrets.token_hex(4)),
-                                       async_save=c.async_save)
+                                       async_save=c.async_save,
+                                       comm_timeout_s=cfg.reliability.comm_timeout_s)
         self.reader: CheckpointReader | None = None
         self.resumed_from: Path | None = None
         self.hf_config: dict | None = None  # carried into checkpoints, for the export
@@ -112,8 +119,6 @@ class Checkpointer:
         :data:`LOAD_WAIT_S`; ``monitored_barrier`` names the rank that did not arrive."""
         if self.group is None:
             return
-        from datetime import timedelta
-
         dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=LOAD_WAIT_S))
 
     def _resume_source(self):
@@ -324,17 +329,22 @@ class Checkpointer:
         """Save the trainer's state as the checkpoint of ``step`` (default ``trainer.step``;
         :meth:`save_now` gives the step before a stopped one); collective over all ranks."""
         step = trainer.step if step is None else step
-        wait = getattr(trainer.optimizer, "wait_for_params", None)
-        if wait is not None:
-            wait()  # a sharded optimizer may still be gathering the updated parameters
         self.writer.wait()  # the previous background save, before state is copied again
         placements = self._placements(trainer.model)
-        # LoRA on a Hugging Face base: what trains, and the base by reference (the job's
-        # model.hf_checkpoint, in the saved config); the frozen weights stay in the base
-        frozen_by_reference = bool(self.job.lora.rank and self.job.model.hf_checkpoint)
-        slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
-                 for p in trainer.model.parameters()
-                 if placements[id(p)].writer and (p.requires_grad or not frozen_by_reference)]
+        # ZeRO 3: each dp rank writes its own shard of the weights (no bucket gathered)
+        slots = sharded_model_slots(trainer.optimizer, placements)
+        if slots is not None:
+            slots = [s for s in slots if s.placement.owner]
+        else:
+            wait = getattr(trainer.optimizer, "wait_for_params", None)
+            if wait is not None:
+                wait()  # a sharded optimizer may still be gathering the updated parameters
+            # LoRA on a Hugging Face base: what trains, and the base by reference (the job's
+            # model.hf_checkpoint, in the saved config); the frozen weights stay in the base
+            frozen_by_reference = bool(self.job.lora.rank and self.job.model.hf_checkpoint)
+            slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
+                     for p in trainer.model.parameters()
+                     if placements[id(p)].writer and (p.requires_grad or not frozen_by_reference)]
         opt_scalars, opt_slots = optimizer_slots(trainer.optimizer, placements)
         # whole blocks are equal over dp (one writer); flat shards of a sharded optimizer
         # differ over dp (each dp rank writes its own) and are equal over model-parallel

@@ -83,8 +83,19 @@ def _zero_moments(opt) -> dict[str, list[torch.Tensor]]:
                           "(CPU-offloaded Adam state is not supported yet)")
 
 
+def sharded_model_slots(optimizer, placements: dict[int, Placement]) -> list[Slot] | None:
+    """ZeRO 3: the weights as this rank's flat shards of the parameter buckets, the same
+    ranges as its masters (each dp rank writes its own, nothing gathered); None when the
+    optimizer keeps whole parameters (the caller saves them as blocks)."""
+    if not _is_zero(optimizer) or getattr(optimizer, "sharded", None) is None:
+        return None
+    return [Slot(f"model/{pl.name}", pl, optimizer.param_shards[b][lo:hi], (a, c))
+            for p, pl, b, lo, hi, a, c in _zero_segments(optimizer, placements)]
+
+
 def _zero_slots(opt, placements):
-    opt.wait_for_params()
+    if getattr(opt, "sharded", None) is None:  # ZeRO 3 reads its shards: no gather to wait for
+        opt.wait_for_params()
     moments = _zero_moments(opt) if opt.step_count > 0 else None
     slots = []
     for p, pl, b, lo, hi, a, c in _zero_segments(opt, placements):

@@ -35,6 +35,7 @@ import os
 import shutil
 import threading
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -102,6 +103,18 @@ def rank_file_sizes(payload: RankPayload) -> list[int]:
     if payload.slots:
         sizes.append(8 + 64 + 256 * len(payload.slots) + tensor_bytes)
     return sizes
+
+
+# The slowest per-client write speed a save waits for (a busy network filesystem): the
+# ranks wait for the largest rank's files at this speed, on top of the job's communication
+# timeout, before a missing rank is named. A faster filesystem loses nothing by it; a rank
+# lost mid-save is named after this wait instead of the process group's 30-minute default.
+SLOWEST_WRITE_BYTES_PER_S = 20 * 2**20
+
+
+def write_wait_s(comm_timeout_s: float, largest_rank_bytes: int) -> float:
+    """Seconds the ranks of a save wait for the slowest one to finish writing."""
+    return comm_timeout_s + largest_rank_bytes / SLOWEST_WRITE_BYTES_PER_S
 
 
 def write_rank_files(folder: Path, payload: RankPayload) -> dict:
@@ -201,9 +214,10 @@ class CheckpointWriter:
     ``keep``: how many complete checkpoints to keep (0: all)."""
 
     def __init__(self, root: Path, rank: int, world_size: int, group=None, keep: int = 0,
-                 token: str = "0", async_save: bool = False):
+                 token: str = "0", async_save: bool = False, comm_timeout_s: float = 300.0):
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         self.keep, self.token, self.async_save = keep, token, async_save
+        self.comm_timeout_s = comm_timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._copied = threading.Event()  # the background save's host copy is done
@@ -257,7 +271,7 @@ class CheckpointWriter:
         final = self.root / step_dir_name(payload.step)
         tmp = self.root / f"{final.name}.tmp-{self.token}"
         wants = self._gather((rank_file_sizes(payload), len(payload.slots)))
-        refused = self._broadcast(self._room_for(payload, wants))
+        refused, wait_s = self._broadcast((self._room_for(payload, wants), self._write_wait_s(wants)))
         if refused:
             raise CheckpointError(refused)
         records, error = None, None
@@ -267,6 +281,7 @@ class CheckpointWriter:
         except Exception as e:  # noqa: BLE001 - every rank must reach the gather below
             error = f"{type(e).__name__}: {e}"
         _phase("rank_files_written")
+        self._wait_for_writers(payload.step, wait_s)
         gathered = self._gather((records, error))
         outcome = None
         if self.rank == 0:
@@ -337,6 +352,25 @@ class CheckpointWriter:
         for _, path in complete[:-self.keep]:
             if latest is None or path.resolve() != latest.resolve():
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _write_wait_s(self, wants: list[tuple[list[int], int]] | None) -> float | None:
+        """Rank 0: how long the ranks wait for the slowest writer (:func:`write_wait_s`)."""
+        if self.rank != 0 or not wants:
+            return None
+        return write_wait_s(self.comm_timeout_s, max(sum(sizes) for sizes, _ in wants))
+
+    def _wait_for_writers(self, step: int, wait_s: float | None) -> None:
+        """Every rank has written its files, or one is named after ``wait_s``: the group's own
+        timeout is the job's communication timeout, which a slow write may exceed."""
+        if self.group is None or self.world_size == 1 or wait_s is None:
+            return
+        try:
+            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=wait_s))
+        except RuntimeError as e:
+            raise CheckpointError(f"checkpoint step {step} in {self.root}: a rank did not finish "
+                                  f"writing within {wait_s:.0f} s (lost, or its filesystem "
+                                  f"slower than {SLOWEST_WRITE_BYTES_PER_S >> 20} MiB/s): "
+                                  f"{str(e).splitlines()[0]}") from e
 
     # -- collectives over the writer's own group --------------------------------------------------
     def _gather(self, obj) -> list:
