@@ -13,6 +13,7 @@ from parallel3d.errors import UserError
 # What a job plan assumes when the command line does not say (``parallel3d plan --help``).
 DEFAULT_MAX_SEQ_LEN = 8192  # the models' pre-training context (Llama 3), when theirs is longer
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20  # Llama 2's pre-training batch, Llama 3 405B's first stage
+DEFAULT_LORA_RANK = 16  # --lora without --lora-rank
 
 
 def add_gpu_args(p, dry_run: bool = False) -> None:
@@ -68,6 +69,14 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--reduce-dtype", default="fp32", choices=["fp32", "bf16"],
                    help="what data-parallel gradient reductions send (parallel.reduce_dtype; bf16: half "
                         "the bytes, each contribution rounded to bf16)")
+    p.add_argument("--lora", action="store_true",
+                   help=f"a LoRA fine-tune: the base frozen in --dtype, adapters of rank {DEFAULT_LORA_RANK} "
+                        "on the attention and MLP projections (set --lora-rank, --lora-targets)")
+    p.add_argument("--lora-rank", type=int, default=None, metavar="R",
+                   help="LoRA's rank (lora.rank; implies --lora)")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="the projections that get adapters, comma-separated (lora.targets; implies --lora; "
+                        "default all seven: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--write-recipe", metavar="FILE", help="write the recommended layout as a TOML recipe")
     p.add_argument("--calibrate", metavar="RUN", help="refresh the compute efficiency from a run's "
@@ -96,6 +105,29 @@ def job_defaults(args, model, gpu) -> list[str]:
     return assumed
 
 
+def lora_from_args(args, model):
+    """The :class:`~parallel3d.planner.spec.LoraSpec` of ``--lora``, ``--lora-rank`` and
+    ``--lora-targets``, or None when none is given."""
+    from parallel3d.planner.lora import check_lora
+    from parallel3d.planner.spec import LORA_TARGETS, LoraSpec
+
+    if not (args.lora or args.lora_rank is not None or args.lora_targets is not None):
+        return None
+    rank = DEFAULT_LORA_RANK if args.lora_rank is None else args.lora_rank
+    if rank < 1:
+        raise UserError(f"--lora-rank must be at least 1, got {rank}")
+    targets = LORA_TARGETS
+    if args.lora_targets is not None:
+        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+        unknown = [t for t in targets if t not in LORA_TARGETS]
+        if unknown or not targets:
+            raise UserError(f"--lora-targets {args.lora_targets!r}: name projections among "
+                            f"{','.join(LORA_TARGETS)}")
+    spec = LoraSpec(rank, targets)
+    check_lora(model, spec)
+    return spec
+
+
 def resolve_model(spec: str):
     """(LlamaConfig, the [model] keys of a recipe) for a preset name or an HF config.json."""
     from parallel3d.models.llama import PRESETS
@@ -116,7 +148,7 @@ def resolve_model(spec: str):
 
 def run_plan(args: argparse.Namespace) -> int:
     from parallel3d.planner.calibrate import calibrate_from_run, default_efficiency
-    from parallel3d.planner.report import assumptions, reasons, recipe_text, table
+    from parallel3d.planner.report import assumptions, lora_lines, reasons, recipe_text, table
     from parallel3d.planner.search import recommend, search
     from parallel3d.models.llama import PRESETS
     from parallel3d.planner.spec import Workload
@@ -153,7 +185,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.calibrate:
         eff, how = calibrate_from_run(args.calibrate, gpu, args.gpus_per_node)
         print(f"calibrated: {how}")
-    work = Workload(model, args.seq_len, args.global_batch, args.dtype)
+    work = Workload(model, args.seq_len, args.global_batch, args.dtype, lora_from_args(args, model))
     fixed = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "ep") if getattr(args, k) is not None}
     if args.reduce_dtype != "fp32":
         fixed["reduce_dtype"] = args.reduce_dtype
@@ -180,6 +212,9 @@ def run_plan(args: argparse.Namespace) -> int:
     print()
     for line in reasons(candidates, best, args.gpus_per_node, fixed):
         print(line)
+    if work.lora is not None:
+        for line in lora_lines(work, best, args.gpus, args.gpus_per_node, gpu, eff, fixed):
+            print(line)
     if args.write_recipe:
         try:
             Path(args.write_recipe).write_text(recipe_text(best, work, model_keys, args.gpus,

@@ -81,6 +81,11 @@ upper bound); gradients as ZeRO 2. The step itself (clipping, the fused AdamW ov
 shards, the all-gathers into the parameter buffer) allocates nothing. The start-up peak
 is the model states plus the initialisation's host chunk or one loaded slice.
 
+LoRA (``work.lora``, :mod:`parallel3d.planner.lora`): the frozen weights in the storage
+dtype with nothing else; gradients, masters and moments (and ZeRO's shards, buckets and
+the gradient transients) for what trains only; each adapter's ``lora_B`` also keeps its
+(tokens, r) input.
+
 Mixture-of-Experts models (:mod:`parallel3d.planner.experts`): a sparse layer holds its
 attention as above, its router and shared experts whole on every tp rank, and ``E / ep``
 routed experts, whose masters, moments (and gradients at ZeRO 2) shard over edp x cp
@@ -93,6 +98,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from parallel3d.planner.lora import lora_states, trained_units
 from parallel3d.planner.experts import (a2a_transient_bytes, expert_params, moe_replicated_params,
                                        moe_selective_bytes, moe_token_bytes, sparse_layers_of)
 from parallel3d.planner.moments import (backward_moments, head_stash_bytes, in_flight,  # noqa: F401 - this module's API
@@ -322,17 +328,26 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     # fp32 gradient buffers, resident from the first step to the last; one such optimizer
     # for the dense parameters, one for the experts.
     parts = [(n - n_expert, replicas), (n_expert, expert_replicas)]
-    mem.weights = n * b["weight"]
-    if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched
-        mem.weights = sum(k * b["weight"] // r for k, r in parts) + 2 * zero3_unit_params(
-            model, layout, pp_rank, split) * b["weight"]
-    mem.master = sum(k * b["master"] // (r if zero else 1) for k, r in parts)
-    mem.optimizer = sum(k * ADAM_BYTES // (r if zero else 1) for k, r in parts)
-    if layout.zero >= 2:  # gradients accumulate in the shard only
-        mem.full_grads = sum(4 * k // r for k, r in parts)
-    else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
-        mem.full_grads = 4 * n + (sum(4 * k // r for k, r in parts) if layout.zero == 1 else 0)
-    bucket = min(bucket_bytes or int(layout.bucket_mb * 2**20), 4 * n)
+    trained, grad_largest = n, largest  # elements with a gradient, fp32 masters and Adam state
+    if work.lora is not None:  # LoRA: the base frozen, only what trains has state (planner.lora)
+        units = trained_units(model, layout, pp_rank, split, work.lora)
+        trained, grad_largest = units.total, units.largest
+        mem.params = n = n + units.adapters  # the adapters beside the base's weights
+        states = lora_states(trained, n - trained, work.dtype, layout.zero, replicas)
+        mem.weights, mem.master, mem.optimizer, mem.full_grads = (states.weights, states.master,
+                                                                  states.optimizer, states.grads)
+    else:
+        mem.weights = n * b["weight"]
+        if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched
+            mem.weights = sum(k * b["weight"] // r for k, r in parts) + 2 * zero3_unit_params(
+                model, layout, pp_rank, split) * b["weight"]
+        mem.master = sum(k * b["master"] // (r if zero else 1) for k, r in parts)
+        mem.optimizer = sum(k * ADAM_BYTES // (r if zero else 1) for k, r in parts)
+        if layout.zero >= 2:  # gradients accumulate in the shard only
+            mem.full_grads = sum(4 * k // r for k, r in parts)
+        else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
+            mem.full_grads = 4 * n + (sum(4 * k // r for k, r in parts) if layout.zero == 1 else 0)
+    bucket = min(bucket_bytes or int(layout.bucket_mb * 2**20), 4 * trained)
     in_flight_buckets = MAX_INFLIGHT * bucket
     # Inside a backward: stage 2 packs each bucket into a fresh fp32 buffer, at most
     # MAX_INFLIGHT of them in flight; on gloo every reduce-scatter in flight also has its
@@ -340,7 +355,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     # Every weight's gradient is computed into a tensor of its own (in the parameter's
     # dtype) before autograd adds it into the buffer, or the hook folds it: the largest
     # weight's is the transient.
-    transient_grads = largest * b["weight"]
+    transient_grads = grad_largest * b["weight"]
     if layout.zero >= 2:
         transient_grads += in_flight_buckets
     if gloo and layout.zero >= 1 and replicas > 1:
@@ -349,6 +364,11 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     tokens = layout.micro_batch * work.seq_len // layout.cp  # a cp rank's head-tail chunks
     chunk_act, chunk_stash, one_layer = stage_activation_bytes(model, tokens, layout, b["act"], layout.recompute,
                                                                 split, pp_rank)
+    if work.lora is not None:  # each adapter's lora_B keeps its (tokens, r) input (lora_A's is the layer's)
+        adapter_act = tokens * len(work.lora.targets) * work.lora.rank * b["act"]
+        one_layer += adapter_act
+        if layout.recompute != "full":
+            chunk_act += adapter_act * layers / layout.virtual_stages
     # One layer's context-parallel and all-to-all buffers exist while it runs, and while
     # a rebuilt layer runs its backward.
     rebuilt = cp_transient_bytes(model, tokens, layout, b["act"]) + a2a_transient_bytes(model, layout, tokens,
@@ -363,7 +383,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     best = None
     # A W computes its chunk's weight gradients, handing them to autograd in groups of up
     # to FLUSH_BYTES (kernels/deferred.py): what exists at once besides the buffers.
-    w_group = min(FLUSH_BYTES, n * b["weight"] // layout.virtual_stages) + largest * b["weight"]
+    w_group = min(FLUSH_BYTES, trained * b["weight"] // layout.virtual_stages) + grad_largest * b["weight"]
     for alive, alive_last, waiting, waiting_last, is_last in peak_moments(layout, m, pp_rank):
         act = (alive * chunk_act + (alive - alive_last) * stashed + alive_last * saved
                + waiting * chunk_stash + waiting_last * head_stash)

@@ -112,6 +112,49 @@ def assumptions(gpu: GPU, eff, n_gpus: int, gpus_per_node: int) -> str:
             "on the fullest stage")
 
 
+def lora_lines(work: Workload, best: Candidate, n_gpus: int, gpus_per_node: int, gpu: GPU, eff,
+               fixed: dict | None = None) -> list[str]:
+    """Under LoRA: the same job trained in full on these GPUs, and the fewest GPUs (halving
+    ``n_gpus``, the degrees left free) on which the LoRA job still fits."""
+    from dataclasses import replace
+
+    from parallel3d.planner.search import recommend, search
+
+    lora = work.lora
+    free = {k: v for k, v in (fixed or {}).items() if k not in ("tp", "cp", "pp", "dp", "ep")}
+    out = [f"lora rank {lora.rank} on {','.join(lora.targets)}: the base frozen in {work.dtype} with no "
+           "gradients, masters or Adam state; those for the adapters only (ZeRO shards them); no weight "
+           "gradients for the base"]
+    full = search(replace(work, lora=None), n_gpus, gpus_per_node, gpu, eff, fixed)
+    full_best = recommend(full)
+    if full_best is None:
+        out.append(f"full fine-tuning on {n_gpus} x {gpu.name}: no layout fits; the closest, "
+                   f"{full[0].layout.describe()}, {full[0].verdict()}")
+    else:
+        out.append(f"full fine-tuning on {n_gpus} x {gpu.name}: {full_best.layout.describe()}, "
+                   f"{full_best.time.step_s:.3f} s/step, {full_best.required / GiB:.1f} GiB")
+    fewest, n = (n_gpus, best), n_gpus
+    while n % 2 == 0 and work.global_batch % (n // 2) == 0:
+        n //= 2
+        fit = recommend(search(work, n, min(gpus_per_node, n), gpu, eff, free))
+        if fit is None:
+            break
+        fewest = (n, fit)
+    n, c = fewest
+    out.append(f"fewest GPUs for this LoRA job (halving --gpus): {n} x {gpu.name}, {c.layout.describe()}, "
+               f"{c.time.step_s:.3f} s/step, {c.required / GiB:.1f} GiB of {c.budget / GiB:.1f} GiB")
+    return out
+
+
+def lora_section(work: Workload) -> str:
+    """The recipe's ``[lora]`` section (with a blank line after it), or "" without LoRA."""
+    if work.lora is None:
+        return ""
+    targets = ", ".join(f'"{t}"' for t in work.lora.targets)
+    return (f"[lora]\nrank = {work.lora.rank}\nalpha = {2.0 * work.lora.rank}\ntargets = [{targets}]\n"
+            "# start from a Hugging Face base: set model.hf_checkpoint\n\n")
+
+
 def recipe_text(best: Candidate, work: Workload, model_keys: dict, n_gpus: int, gpus_per_node: int,
                 gpu: GPU, steps: int = 1000) -> str:
     """A runnable TOML recipe for ``best`` (``parallel3d train FILE --dry-run`` accepts it)."""
@@ -157,7 +200,7 @@ seq_len = {work.seq_len}
 dtype = "{work.dtype}"
 recompute = "{lay.recompute}"
 
-[launch]
+{lora_section(work)}[launch]
 nnodes = {nnodes}
 nproc = {nproc}
 backend = "nccl"

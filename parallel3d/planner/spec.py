@@ -25,12 +25,35 @@ RESIDUAL_BYTES = 4
 ADAM_BYTES = 8  # two fp32 moments
 
 
+# LoRA's projections by their Hugging Face names (parallel3d.lora.apply.TARGETS, which
+# imports torch; tests/test_planner_lora.py checks the two agree)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """``[lora]`` as the planner needs it (:mod:`parallel3d.planner.lora`): adapters of
+    ``rank`` on the ``targets``, the weights ``trainable`` names trained whole, the rest frozen."""
+
+    rank: int = 16
+    targets: tuple[str, ...] = LORA_TARGETS
+    trainable: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, lora) -> "LoraSpec | None":
+        """The spec of a ``LoraConfig``; None when ``lora.rank`` is 0 (every weight trains)."""
+        if not lora.rank:
+            return None
+        return cls(lora.rank, tuple(lora.targets), tuple(lora.trainable))
+
+
 @dataclass(frozen=True)
 class Workload:
     model: object  # a LlamaConfig (duck-typed: dim, n_layers, n_heads, ...)
     seq_len: int
     global_batch: int  # sequences per optimizer step
     dtype: str = "bf16"
+    lora: LoraSpec | None = None  # LoRA: the base frozen, only the adapters train
 
     def __post_init__(self):
         if self.dtype not in PRECISION:

@@ -62,6 +62,11 @@ largest of the stages'. Gradients cross the wire in fp32, or bf16 with
 with ``bw = link peak * efficiency.link`` of the slowest link the group spans (a data-
 parallel ring across nodes: one NIC per member in a node, up to NVLink's figure).
 Finally the optimizer step streams master weights, gradients and moments through HBM.
+
+LoRA (``work.lora``, :mod:`parallel3d.planner.lora`): the frozen weights have no weight
+gradient, so W holds only the adapters' GEMMs (and those of ``lora.trainable``'s
+weights), which F and B gain as well; the data-parallel traffic and the optimizer step
+carry only what trains.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_
                               mlp_matmul_params, model_flops_per_token)
 from parallel3d.planner.experts import a2a_seconds, routed_tokens, sparse_layers_of
 from parallel3d.planner.hardware import GPU, Efficiency
+from parallel3d.planner.lora import adapter_params, trained_units
 from parallel3d.planner.memory import kv_width, stage_expert_params, stage_params
 from parallel3d.planner.overlap import DpTime, Unit, dp_time
 from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
@@ -149,10 +155,17 @@ def stage_phase_flops(work: Workload, layout: Layout, pp_rank: int,
         f += n * (layer_fwd + moe_share)
         b += n * (gemm_fwd + 2 * attention_fwd + redo + moe_share * (2 if layout.recompute == "full" else 1))
         w += n * (gemm_fwd + moe_share)
-    if (layout.chunks - 1) in chunks:
-        head = head_forward_flops_per_token(model)
-        f, b, w = f + head, b + head, w + head
-    return f / layout.tp, b / layout.tp, w / layout.tp
+    head_w = head = head_forward_flops_per_token(model) if (layout.chunks - 1) in chunks else 0
+    if work.lora is not None:
+        # LoRA: the frozen weights need no wgrad GEMMs (W keeps only the trained weights'),
+        # the adapters add 2 FLOPs per element and token to F, B and W (planner.lora)
+        units = trained_units(model, layout, pp_rank, split, work.lora)
+        whole = units.per_layer - adapter_params(model, layout.tp, work.lora)  # lora.trainable's
+        adapters = 2 * layers * adapter_params(model, layout.tp, work.lora) * layout.tp
+        w = 2 * layers * whole * layout.tp + adapters  # per rank below: / tp
+        f, b = f + adapters, b + adapters
+        head_w = 2 * units.head * layout.tp if units.head > model.dim else 0
+    return (f + head) / layout.tp, (b + head) / layout.tp, (w + head_w) / layout.tp
 
 
 def cp_layer_seconds(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
@@ -288,12 +301,17 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     n_expert = stage_expert_params(model, layout, fullest, split)
     parts = [(stage_params(model, layout, fullest, split)[0] - n_expert, layout.replicas),
              (n_expert, layout.expert_replicas)]
+    if work.lora is not None:  # only what trains is stepped
+        parts = [(max(trained_units(model, layout, r, split, work.lora).total for r in range(layout.pp)),
+                  layout.replicas)]
     held = sum(n / (replicas if layout.zero >= 1 else 1) for n, replicas in parts)
     optimizer_s = 32 * held / (gpu.hbm_bytes_per_s * eff.memory)
 
     step_s = compute_s + bubble_s + tp_comm_s + cp_comm_s + ep_comm_s + pp_comm_s + dp_comm_s + optimizer_s
     tokens_per_s = work.tokens_per_step / step_s
-    achieved = tokens_per_s * model_flops_per_token(model, work.seq_len)
+    # LoRA: the model's FLOPs less the weight gradients it does not compute (a third of
+    # the 6 N per token; the adapters' own are negligible)
+    achieved = tokens_per_s * model_flops_per_token(model, work.seq_len) * (2 / 3 if work.lora else 1)
     return StepTime(step_s=step_s, compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
                     pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
                     tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops),
@@ -317,6 +335,9 @@ def stage_units(work: Workload, layout: Layout, pp_rank: int, split: list[int], 
     head_s = head_forward_flops_per_token(model) / layout.tp * tokens / flop_rate if last else 0.0
     f_s, b_s = phase[0] * tokens / flop_rate, (phase[1] + phase[2]) * tokens / flop_rate
     per_layer = (n - (embed if first else 0) - head_params) / max(1, layers)
+    if work.lora is not None:  # LoRA: only what trains reduces its gradients (and ZeRO gathers it)
+        trained = trained_units(model, layout, pp_rank, split, work.lora)
+        embed, per_layer, head_params = trained.embed, trained.per_layer, trained.head
     units = [Unit(0.0, 0.0, embed)] if first else []
     units.append(Unit((f_s - head_s) / layers + f_comm, (b_s - 2 * head_s) / layers + b_comm, per_layer,
                       n_expert / layers, count=layers))

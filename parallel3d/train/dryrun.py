@@ -50,8 +50,9 @@ from parallel3d.launch import job_nodes
 from parallel3d.lora.apply import apply_lora
 from parallel3d.models.llama.sharded_init import build_meta_llama
 from parallel3d.planner.hardware import FRAGMENTATION, GPU, memory_terms, usable_bytes
+from parallel3d.planner.lora import lora_states
 from parallel3d.planner.memory import StageMemory, memory_per_stage
-from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
+from parallel3d.planner.spec import Layout, LoraSpec, Workload, layer_split, rank_chunks
 from parallel3d.topology import RankGrid, Topology
 from parallel3d.train.setup import check_job, resolve_model_config
 
@@ -151,11 +152,13 @@ def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_ra
 
 def lora_state_bytes(module: torch.nn.Module, dtype: str, zero: int, dp: int) -> StateBytes:
     """LoRA: the frozen weights in the storage dtype, with no gradient and no optimizer
-    state; :func:`state_bytes` for what trains (the adapters, ``lora.trainable``)."""
+    state; gradients, masters and Adam state for what trains (the adapters,
+    ``lora.trainable``): the planner's :func:`~parallel3d.planner.lora.lora_states` with
+    the elements of the rank's modules."""
     trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-    s = state_bytes(trained, dtype, zero, dp)
-    return StateBytes(s.weights + (2 if dtype == "bf16" else 4) * frozen, s.grads, s.optimizer)
+    s = lora_states(trained, frozen, dtype, zero, dp)
+    return StateBytes(s.weights, s.grads, s.master + s.optimizer)
 
 
 @dataclass(frozen=True)
@@ -326,7 +329,7 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
 
     layout = Layout.from_config(cfg)
     dtype = memory_dtype(cfg, gpu_target=gpu is not None)
-    work = Workload(model_cfg, train.seq_len, train.global_batch, dtype)
+    work = Workload(model_cfg, train.seq_len, train.global_batch, dtype, LoraSpec.from_config(cfg.lora))
     # The stage split training will use: parallel.pp_layers, else the pipeline's rule.
     split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
     planned = memory_per_stage(work, layout, split)
