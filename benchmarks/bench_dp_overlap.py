@@ -6,9 +6,10 @@ across the hosts, one CPU thread each), the same Llama, batches and AdamW for ev
 cases alternated round by round so machine noise hits them alike:
 
 - ``compute``: forward, backward and the update with no communication (a one-rank
-  optimizer on each host);
+  optimizer on each host); its forward, backward and update are also timed apart;
 - ``comm``: ZeRO 2's traffic of a step alone: every bucket's fp32 reduce-scatter and the
-  parameters' all-gather, issued together and waited for;
+  parameters' all-gather, issued together and waited for (and each kind alone: ``rs``,
+  ``ag``);
 - ``zero2-off``: ZeRO 2, gradients reduced after the backward, the all-gather waited for
   in the step (nothing overlapped);
 - ``zero2-on``: ZeRO 2, buckets reduced as the backward fills them, the all-gather waited
@@ -19,13 +20,22 @@ cases alternated round by round so machine noise hits them alike:
   ``reshard_after_forward`` False / True, torch's AdamW.
 
 A case's step time is the wall time of ``--steps`` steps over their number (the overlapped
-all-gather of one step runs under the next; the last is waited for). Printed: the table,
-each case against max(compute, comm) and against compute + comm, and ours / FSDP2.
+all-gather of one step runs under the next; the last is waited for); beside it the
+process's CPU seconds per step (all its threads: compute, gloo's, the kernel's TCP work)
+and the bytes its host sent per step (the link's counter). Each ratio is taken within a
+round (the compute and comm of the same round, minutes apart at most), then the median
+and the range over rounds are printed, with the load average at each round's start.
 
-    sudo python benchmarks/bench_dp_overlap.py [--rate-mbit 200] [--steps 6] [--rounds 2]
+The schedule bounds what overlap can give: the all-gather after the update can only run
+under the next forward, the reduce-scatters under the backward, the update under neither,
+so ``bound = max(ag, fwd) + max(rs, bwd) + update`` (from ``comm``'s and ``compute``'s
+parts of the same round) is the best a step with the overlap can take; printed beside
+max(compute, comm).
 
-Needs root (namespaces, tc). The rate is chosen so that ``comm`` takes about as long as
-``compute``: the figures say how far that held.
+    sudo python benchmarks/bench_dp_overlap.py [--rate-mbit 200] [--steps 6] [--rounds 5] [--pin]
+
+Needs root (namespaces, tc). ``--pin`` runs host i's process on CPU i only (``taskset``),
+closer to two machines than two processes the scheduler moves between the same cores.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=8, ffn_dim=688)  # 3.7 M params
 SEQ, MICRO = 128, 4  # one micro-batch of 4 sequences per rank and step
 CASES = ("compute", "comm", "zero2-off", "zero2-on", "zero3", "fsdp2-zero2", "fsdp2-zero3")
+TX = "/sys/class/net/p3d0/statistics/tx_bytes"  # this host's link (tests/hosts.IFNAME)
 
 
 def _model():
@@ -67,19 +78,28 @@ def _loss(model, tokens):
     return cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
 
 
-def _timed(steps: int, one_step, finish=lambda: None) -> float:
+def _tx() -> int:
+    try:
+        return int(Path(TX).read_text())
+    except OSError:
+        return 0
+
+
+def _timed(steps: int, one_step, finish=lambda: None) -> dict:
+    """Wall and CPU seconds and bytes sent per step, over ``steps`` steps after a warm-up."""
     one_step(0)  # warm-up (allocations, the first gathers)
     finish()
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0, b0 = time.perf_counter(), time.process_time(), _tx()
     for step in range(1, steps + 1):
         one_step(step)
     finish()
+    c1, b1 = time.process_time(), _tx()
     dist.barrier()
-    return (time.perf_counter() - t0) / steps
+    return {"step": (time.perf_counter() - t0) / steps, "cpu": (c1 - c0) / steps, "tx": (b1 - b0) / steps}
 
 
-def _ours(case: str, steps: int, bucket_mb: float) -> float:
+def _ours(case: str, steps: int, bucket_mb: float) -> dict:
     from parallel3d.config import TrainConfig
     from parallel3d.topology import Topology
     from parallel3d.zero import ZeroOptimizer
@@ -91,18 +111,29 @@ def _ours(case: str, steps: int, bucket_mb: float) -> float:
     stage = {"compute": 0, "zero2-off": 2, "zero2-on": 2, "zero3": 3}[case]
     opt = ZeroOptimizer(model.parameters(), train, topo, stage=stage, bucket_mb=bucket_mb, model=model,
                         overlap_param_gather=case != "zero2-off")
+    parts = {"fwd": 0.0, "bwd": 0.0, "update": 0.0}
 
     def step(s):
+        t0 = time.perf_counter()
         opt.begin_step(None if case == "zero2-off" else 1)  # None: reduce after the backward
-        _loss(model, _batch(s, rank)).backward()
+        loss = _loss(model, _batch(s, rank))
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step(train.lr)
+        if s:
+            parts["fwd"] += t1 - t0
+            parts["bwd"] += t2 - t1
+            parts["update"] += time.perf_counter() - t2
 
     out = _timed(steps, step, opt.finish_param_gather if stage < 3 else lambda: None)
     opt.release()
+    if case == "compute":  # its parts: what the overlap can hide communication under
+        out.update({k: v / steps for k, v in parts.items()})
     return out
 
 
-def _comm(steps: int, bucket_mb: float) -> float:
+def _comm(steps: int, bucket_mb: float) -> dict:
     from parallel3d.config import TrainConfig
     from parallel3d.distributed import all_gather_flat, reduce_scatter_flat
     from parallel3d.topology import Topology
@@ -114,20 +145,22 @@ def _comm(steps: int, bucket_mb: float) -> float:
     grads = [torch.randn(b.numel) for b in opt.layout.buckets]
     outs = [torch.empty(b.shard_numel) for b in opt.layout.buckets]
 
-    def step(_):
-        works = [reduce_scatter_flat(o, g, group, async_op=True) for o, g in zip(outs, grads)]
-        for b, bucket in enumerate(opt.layout.buckets):
+    def issue(rs: bool, ag: bool):
+        works = [reduce_scatter_flat(o, g, group, async_op=True) for o, g in zip(outs, grads)] if rs else []
+        for b, bucket in enumerate(opt.layout.buckets if ag else ()):
             full = opt.param_buffer[bucket.offset:bucket.offset + bucket.numel]
             works.append(all_gather_flat(full, opt.param_shards[b], group=group, async_op=True))
         for w in works:
             w.wait()
 
-    out = _timed(steps, step)
+    out = _timed(steps, lambda _: issue(True, True))
+    out["rs"] = _timed(steps, lambda _: issue(True, False))["step"]
+    out["ag"] = _timed(steps, lambda _: issue(False, True))["step"]
     opt.release()
     return out
 
 
-def _fsdp2(case: str, steps: int) -> float:
+def _fsdp2(case: str, steps: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
@@ -150,46 +183,79 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     rank = args.rank
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=rank, world_size=2)
-    times: dict[str, list[float]] = {c: [] for c in args.cases}
-    for _ in range(args.rounds):
+    rounds = []
+    for r in range(args.rounds):
+        row = {"load": os.getloadavg()[0]}
         for case in args.cases:
             if case == "comm":
-                t = _comm(args.steps, args.bucket_mb)
+                row[case] = _comm(args.steps, args.bucket_mb)
             elif case.startswith("fsdp2"):
-                t = _fsdp2(case, args.steps)
+                row[case] = _fsdp2(case, args.steps)
             else:
-                t = _ours(case, args.steps, args.bucket_mb)
-            times[case].append(t)
+                row[case] = _ours(case, args.steps, args.bucket_mb)
             if rank == 0:
-                print(f"{case}: {t:.3f} s/step", flush=True)
-    if rank == 0:
-        Path(args.out).write_text(json.dumps(times))
+                print(f"round {r} {case}: {row[case]['step']:.3f} s/step, cpu {row[case]['cpu']:.3f} s/step",
+                      flush=True)
+        rounds.append(row)
+    Path(f"{args.out}.{rank}").write_text(json.dumps(rounds))
     dist.destroy_process_group()
 
 
-def report(times: dict[str, list[float]], rate: float) -> None:
-    med = {c: statistics.median(v) for c, v in times.items()}
-    compute, comm = med.get("compute"), med.get("comm")
-    print(f"\ndp 2 across two hosts, link {rate:g} Mbit/s each way (tc tbf), median of "
-          f"{len(next(iter(times.values())))} rounds")
-    print("| case | s/step | / max(compute, comm) | / (compute + comm) |")
-    print("|---|---|---|---|")
-    for case, t in med.items():
-        a = f"{t / max(compute, comm):.2f}" if compute and comm else "-"
-        b = f"{t / (compute + comm):.2f}" if compute and comm else "-"
-        print(f"| {case} | {t:.3f} | {a} | {b} |")
+def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt.format(med)
+    return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
+def report(ranks: list[list[dict]], rate: float) -> None:
+    """Per round, a case's time is the slower rank's; ratios are taken within the round."""
+    rounds = []
+    for rows in zip(*ranks):
+        merged = {"load": rows[0]["load"]}
+        for case in rows[0]:
+            if case != "load":
+                merged[case] = {k: max(r[case][k] for r in rows) for k in rows[0][case]}
+        rounds.append(merged)
+    cases = [c for c in rounds[0] if c != "load"]
+    col = lambda case, key: [r[case][key] for r in rounds]  # noqa: E731
+    has = {"compute", "comm"} <= set(cases)
+    print(f"\ndp 2 across two hosts, link {rate:g} Mbit/s each way (tc tbf); {len(rounds)} rounds: median "
+          f"(min-max); load average at the rounds' starts {_spread([r['load'] for r in rounds], '{:.1f}')}")
+    print("| case | s/step | CPU s/step | MB sent/step | / max(compute, comm) | / (compute + comm) |")
+    print("|---|---|---|---|---|---|")
+    for case in cases:
+        a = b = "-"
+        if has:
+            a = _spread([r[case]["step"] / max(r["compute"]["step"], r["comm"]["step"]) for r in rounds], "{:.2f}")
+            b = _spread([r[case]["step"] / (r["compute"]["step"] + r["comm"]["step"]) for r in rounds], "{:.2f}")
+        print(f"| {case} | {_spread(col(case, 'step'))} | {_spread(col(case, 'cpu'))} | "
+              f"{statistics.median(col(case, 'tx')) / 1e6:.2f} | {a} | {b} |")
+    if has:
+        parts = ", ".join(f"{k} {_spread(col('compute', k))}" for k in ("fwd", "bwd", "update"))
+        print(f"\ncompute's parts: {parts} s; comm's: rs {_spread(col('comm', 'rs'))}, ag {_spread(col('comm', 'ag'))} s")
+        print(f"comm / compute: {_spread([r['comm']['step'] / r['compute']['step'] for r in rounds], '{:.2f}')}")
+        bounds = [max(r["comm"]["ag"], r["compute"]["fwd"]) + max(r["comm"]["rs"], r["compute"]["bwd"])
+                  + r["compute"]["update"] for r in rounds]
+        print(f"bound = max(ag, fwd) + max(rs, bwd) + update: {_spread(bounds)} s/step = "
+              f"{_spread([b / max(r['compute']['step'], r['comm']['step']) for b, r in zip(bounds, rounds)], '{:.2f}')}"
+              " x max(compute, comm)")
+        for case in ("zero2-on",):
+            if case in cases:
+                print(f"{case} / bound: {_spread([r[case]['step'] / b for b, r in zip(bounds, rounds)], '{:.2f}')}")
     for ours, theirs in (("zero2-on", "fsdp2-zero2"), ("zero3", "fsdp2-zero3")):
-        if ours in med and theirs in med:
-            print(f"{ours} / {theirs}: {med[ours] / med[theirs]:.2f}x")
+        if ours in cases and theirs in cases:
+            print(f"{ours} / {theirs}: {_spread([r[ours]['step'] / r[theirs]['step'] for r in rounds], '{:.2f}')}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rate-mbit", type=float, default=200.0)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=2.0)
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--pin", action="store_true", help="host i's process on CPU i only (taskset)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--addr", default="", help=argparse.SUPPRESS)
@@ -206,16 +272,20 @@ def main() -> None:
     reason = why_no_hosts()
     if reason:
         sys.exit(f"bench_dp_overlap: {reason}")
+    print(f"start: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     with Hosts(2) as hosts, tempfile.TemporaryDirectory() as tmp:
         for ns in hosts.names:  # each host's egress: both directions of the link limited
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf",
                             "rate", f"{args.rate_mbit}mbit", "burst", "64kb", "latency", "200ms"], check=True)
         out = Path(tmp) / "times.json"
-        procs = [hosts.popen(i, [sys.executable, __file__, "--worker", "--rank", str(i), "--addr", hosts.addr(0),
+        ncpu = os.cpu_count() or 1
+        procs = [hosts.popen(i, [*(["taskset", "-c", str(i % ncpu)] if args.pin else []),
+                                 sys.executable, __file__, "--worker", "--rank", str(i), "--addr", hosts.addr(0),
                                  "--port", str(args.port), "--out", str(out), "--steps", str(args.steps),
                                  "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb),
                                  "--cases", ",".join(args.cases)], Path(tmp) / f"rank{i}.log",
-                             env={"PYTHONPATH": str(ROOT)})
+                             env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
                  for i in range(2)]
         codes = [p.wait() for p in procs]
         if any(codes):
@@ -223,7 +293,11 @@ def main() -> None:
                 print((Path(tmp) / f"rank{i}.log").read_text()[-3000:])
             sys.exit(f"bench_dp_overlap: workers exited {codes}")
         print((Path(tmp) / "rank0.log").read_text())
-        report(json.loads(out.read_text()), args.rate_mbit)
+        ranks = [json.loads(Path(f"{out}.{i}").read_text()) for i in range(2)]
+    print(f"end: uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
+          f"{', pinned: host i on CPU i' if args.pin else ''}")
+    report(ranks, args.rate_mbit)
+    print("\nraw: " + json.dumps(ranks))
 
 
 if __name__ == "__main__":
