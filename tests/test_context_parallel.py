@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import sdpa_lookalikes
 from parallel3d.context_parallel import (choose_comm, context_parallel_attention, contiguous_positions,
                                          document_keys, kv_bytes_per_layer, score_elements,
                                          shard_documents, shard_positions, shard_sequence,
                                          unshard_sequence)
-from parallel3d.context_parallel import blocks, spans
+from parallel3d.context_parallel import blocks, cuda_blocks, spans
 from parallel3d.context_parallel.attention import ContextParallelAttention
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
 from parallel3d.context_parallel.documents import SKIP, DocumentStarts
@@ -107,19 +108,25 @@ def _block_path(path: str):
     """The blocks (both modes compute by blocks) through the CPU flash kernel ("kernel",
     the CPU default) or the explicit math ("ref", what other devices run); "pieces": the
     kernel with every unmasked causal block cut into rows of 2 queries (``CAUSAL_PIECE``:
-    256 in use, more than these chunks of 6 or 3 tokens hold)."""
-    default, piece = blocks.uses_kernel, spans.CAUSAL_PIECE
-    blocks.uses_kernel = lambda q: path != "ref"
-    spans.CAUSAL_PIECE = 2 if path == "pieces" else piece
+    256 in use, more than these chunks of 6 or 3 tokens hold); "cuda-flash" /
+    "cuda-efficient": the CUDA branch (``cuda_blocks``) with torch's CUDA kernels played
+    by ``sdpa_lookalikes`` (same signatures and return layouts: the efficient kernel's
+    padded lse, flash's contiguous-lse backward), flash for every unmasked block or the
+    efficient kernel for all (a masked block always takes the efficient one)."""
+    default = blocks.block_path, spans.CAUSAL_PIECE, cuda_blocks.OPS, cuda_blocks.kernel_for
+    blocks.block_path = lambda q: {"ref": "ref", "cuda-flash": "cuda", "cuda-efficient": "cuda"}.get(path, "cpu")
+    spans.CAUSAL_PIECE = 2 if path == "pieces" else default[1]
+    cuda_blocks.OPS = sdpa_lookalikes.OPS
+    cuda_blocks.kernel_for = lambda q, masked: "efficient" if masked or path == "cuda-efficient" else "flash"
     try:
         yield
     finally:
-        blocks.uses_kernel, spans.CAUSAL_PIECE = default, piece
+        blocks.block_path, spans.CAUSAL_PIECE, cuda_blocks.OPS, cuda_blocks.kernel_for = default
 
 
 def _all_cases(cp: int, comm: str) -> dict:
     out = {}
-    for path in ("kernel", "ref", "pieces"):
+    for path in ("kernel", "ref", "pieces", "cuda-flash", "cuda-efficient"):
         with _block_path(path):
             out.update({(path, dtype, docs): _errors(cp, comm, dtype, docs)
                         for dtype in (torch.float32, torch.bfloat16) for docs in (False, True)})
@@ -171,6 +178,75 @@ def test_a_block_by_the_cpu_kernel_equals_the_explicit_math(kind):
         for g, g_ref in zip(grads, grads_ref):
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
     assert lse_ref[1].isinf().all() and not lse_ref[0].isinf().any()  # the last case: empty rows
+
+
+def _cuda_branch(monkeypatch, kernel: str) -> None:
+    """Blocks through ``cuda_blocks`` on CPU tensors, torch's CUDA kernels played by
+    ``sdpa_lookalikes``; ``kernel`` for every unmasked block (a masked one: efficient)."""
+    monkeypatch.setattr(blocks, "block_path", lambda q: "cuda")
+    monkeypatch.setattr(cuda_blocks, "OPS", sdpa_lookalikes.OPS)
+    monkeypatch.setattr(cuda_blocks, "kernel_for", lambda q, masked: "efficient" if masked else kernel)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+@pytest.mark.parametrize("kind", [FULL, CAUSAL])
+def test_a_block_by_the_cuda_kernels_equals_the_explicit_math(monkeypatch, kernel, kind):
+    """The CUDA branch's slicing and fix-ups on one block: 37 queries (not a multiple of
+    the efficient kernel's 32-row lse padding, which the look-alike fills with NaN) x 37
+    keys causal or 53 full, 6 heads on 2 kv-heads (flash groups natively, efficient gets
+    the K/V repeated and sums dK/dV back), documents leaving rows without a visible key
+    (the look-alike's output NaN there: the branch must give 0 and lse -inf); forward and
+    backward from a row's lse against the explicit math. fp32: sums in another order."""
+    _cuda_branch(monkeypatch, kernel)
+    torch.manual_seed(2)
+    ck = 37 if kind == CAUSAL else 53
+    q, d_out = torch.randn(2, 6, 37, 16), torch.randn(2, 6, 37, 16)
+    k, v = torch.randn(2, 2, ck, 16), torch.randn(2, 2, ck, 16)
+    q_docs = torch.tensor([[0] * 10 + [1] * 27, [2] * 37])  # row 1: no key of its document
+    k_docs = torch.tensor([[0] * 5 + [1] * (ck - 5), [1] * ck])
+    for same_doc in (None, blocks.block_mask(q_docs, k_docs)):
+        out, lse = blocks.block_forward(q, k, v, kind, same_doc, 0.25)
+        out_ref, lse_ref = blocks.block_forward_ref(q, k, v, kind, same_doc, 0.25)
+        torch.testing.assert_close(lse, lse_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+        row_lse = torch.where(lse_ref.isinf(), torch.ones_like(lse_ref), lse_ref + 0.5)  # as if merged with more
+        delta = (d_out * out_ref).sum(-1)
+        grads = blocks.block_backward(q, k, v, out_ref, d_out, row_lse[:, :, :], delta, kind, same_doc, 0.25)
+        grads_ref = blocks.block_backward_ref(q, k, v, d_out, row_lse, delta, kind, same_doc, 0.25)
+        for g, g_ref in zip(grads, grads_ref):
+            assert g.dtype == torch.float32 and g.shape == g_ref.shape
+            torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    assert lse_ref[1].isinf().all() and (out[1] == 0).all()  # the last case: empty rows
+
+
+def test_the_cuda_branch_calls_no_causal_kernel_on_a_non_square_block(monkeypatch):
+    """SDPA's ``is_causal`` is top-left aligned, flash-attn's bottom-right: they differ
+    unless the block is square, so the branch refuses any other."""
+    _cuda_branch(monkeypatch, "flash")
+    q, kv = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 12, 16)
+    with pytest.raises(AssertionError, match="square"):
+        blocks.block_forward(q, kv, kv, CAUSAL, None, 0.25)
+
+
+def test_the_cuda_kernel_choice(monkeypatch):
+    """Flash for unmasked fp16 / bf16 blocks with a head dim it takes (a multiple of 8,
+    at most 256; sm86/89 at most 192: its backward), the efficient kernel for masked or
+    fp32 blocks (head dim a multiple of 16 bytes), else None (the explicit math)."""
+    cap = [(9, 0)]
+    monkeypatch.setattr(cuda_blocks, "capability", lambda device: cap[0])
+
+    def pick(dtype, d, masked=False):
+        return cuda_blocks.kernel_for(torch.empty(1, 2, 4, d, dtype=dtype), masked)
+
+    assert pick(torch.bfloat16, 128) == "flash" and pick(torch.float16, 256) == "flash"
+    assert pick(torch.bfloat16, 128, masked=True) == "efficient"
+    assert pick(torch.float32, 64) == "efficient" and pick(torch.float32, 6) is None
+    assert pick(torch.float32, 20) == "efficient" and pick(torch.bfloat16, 20) is None
+    assert pick(torch.bfloat16, 264) == "efficient" and pick(torch.float64, 64) is None
+    cap[0] = (8, 6)
+    assert pick(torch.bfloat16, 192) == "flash" and pick(torch.bfloat16, 224) == "efficient"
+    cap[0] = (7, 5)
+    assert pick(torch.float16, 64) == "efficient" and pick(torch.bfloat16, 64) is None
 
 
 def test_causal_blocks_in_uneven_rows_equal_sdpa(monkeypatch):

@@ -25,7 +25,9 @@ Backward of a block, given the *final* ``O``, ``lse`` and ``dO`` of the whole ro
 On CPU each block runs torch's flash kernel (``_scaled_dot_product_flash_attention_for_cpu``
 and its backward: it returns the fp32 log-sum-exp and takes the whole row's output and
 log-sum-exp in its backward; grouped-query heads natively; 20x faster than the explicit
-math at 1024-token blocks); on other devices the explicit ``*_ref`` math, rounded as a
+math at 1024-token blocks); on CUDA torch's flash or memory-efficient kernel
+(``cuda_blocks.py``: which one, and their differences); elsewhere, and on CUDA where no
+kernel fits the dtype or head dim, the explicit ``*_ref`` math, rounded as a
 flash kernel (every product takes input-dtype operands and accumulates in fp32; ``S`` and
 ``dP`` are never rounded; ``P`` and ``dS`` are, before their second products).
 """
@@ -33,6 +35,8 @@ flash kernel (every product takes input-dtype operands and accumulates in fp32; 
 from __future__ import annotations
 
 import torch
+
+from . import cuda_blocks
 
 FULL, CAUSAL = "full", "causal"
 
@@ -88,15 +92,26 @@ def _kernel_args(q, kind, same_doc) -> dict:
     return {"is_causal": False, "attn_mask": bias}
 
 
-def uses_kernel(q: torch.Tensor) -> bool:
-    return q.device.type == "cpu"
+def block_path(q: torch.Tensor) -> str:
+    """Where a block of ``q`` runs: ``"cpu"`` (torch's CPU flash kernel), ``"cuda"``
+    (``cuda_blocks``: the flash or memory-efficient kernel, or the math where neither
+    fits), else ``"ref"`` (the explicit math)."""
+    return q.device.type if q.device.type in ("cpu", "cuda") else "ref"
+
+
+def _cuda_kernel(q, same_doc) -> str | None:
+    return cuda_blocks.kernel_for(q, same_doc is not None) if block_path(q) == "cuda" else None
 
 
 def block_forward(q, k, v, kind: str, same_doc, scale: float):
     """(O (B, H, cq, D) fp32, lse (B, H, cq) fp32); a row with no visible key gets O = 0
     and lse = -inf."""
-    if not uses_kernel(q):
-        return block_forward_ref(q, k, v, kind, same_doc, scale)
+    if block_path(q) != "cpu":
+        kernel = _cuda_kernel(q, same_doc)
+        if kernel is None:
+            return block_forward_ref(q, k, v, kind, same_doc, scale)
+        visible = None if same_doc is None else _visible(kind, same_doc, q.shape[2], k.shape[2], q.device)
+        return cuda_blocks.block_forward(kernel, q, k, v, kind == CAUSAL, visible, scale)
     args = _kernel_args(q, kind, same_doc)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, args["is_causal"], attn_mask=args.get("attn_mask"), scale=scale)
@@ -109,8 +124,12 @@ def block_forward(q, k, v, kind: str, same_doc, scale: float):
 def block_backward(q, k, v, out, d_out, lse, delta, kind: str, same_doc, scale: float):
     """(dq (B, H, cq, D), dk, dv (B, Hkv, ck, D)) fp32, the block's share of the
     gradients, from the whole row's ``out`` (input dtype), ``lse`` and ``delta`` (fp32;
-    None: computed here from ``out`` and ``d_out``, as the CPU kernel always does)."""
-    if not uses_kernel(q):
+    None: computed here from ``out`` and ``d_out``, as the kernels always do)."""
+    if block_path(q) != "cpu":
+        kernel = _cuda_kernel(q, same_doc)
+        if kernel is not None:
+            visible = None if same_doc is None else _visible(kind, same_doc, q.shape[2], k.shape[2], q.device)
+            return cuda_blocks.block_backward(kernel, q, k, v, out, d_out, lse, kind == CAUSAL, visible, scale)
         if delta is None:
             delta = (d_out.float() * out.float()).sum(-1)  # (B, H, cq)
         return block_backward_ref(q, k, v, d_out, lse, delta, kind, same_doc, scale)
