@@ -261,6 +261,10 @@ class AutopilotConfig:
     memory_gib: float = 0.0  # memory budget of a rank; 0: the GPU's, or the host's / local ranks
     move_cost_s: float = 0.0  # what a move costs (save, regroup, reload); 0: the first build's time
     act: bool = True  # false: measure, fit and log the decision, never move
+    layouts: bool = True  # rank the world's other layouts and move to the fastest
+    # move layers off a pipeline stage slower per layer than the others (autopilot/balance.py),
+    # judged every skip_steps + measure_steps steps on the straggler checks' per-rank rows
+    rebalance: bool = True
 
 
 @dataclass

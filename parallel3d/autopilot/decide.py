@@ -79,12 +79,14 @@ def layout_overrides(layout: Layout) -> dict:
             "train": {"micro_batch": layout.micro_batch, "recompute": layout.recompute}}
 
 
-def with_layout(cfg, layout: Layout):
-    """A copy of the job ``cfg`` at ``layout``."""
+def with_layout(cfg, layout: Layout, pp_layers: list[int] | None = None):
+    """A copy of the job ``cfg`` at ``layout``, its layers split as ``pp_layers`` (None:
+    the balanced rule)."""
     out = copy.deepcopy(cfg)
     for section, keys in layout_overrides(layout).items():
         for key, value in keys.items():
             setattr(getattr(out, section), key, value)
+    out.parallel.pp_layers = list(pp_layers) if pp_layers is not None else None
     return out
 
 

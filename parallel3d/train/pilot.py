@@ -33,6 +33,7 @@ from parallel3d.planner.fitted import fit_terms, stage_work_s
 from parallel3d.planner.hardware import RUNTIME_RESERVE_BYTES
 from parallel3d.planner.search import valid_layouts
 from parallel3d.planner.spec import Layout, Workload
+from parallel3d.train.rebalance import rebalance_to
 from parallel3d.train.regroup import move
 from parallel3d.train.setup import check_job
 
@@ -196,6 +197,7 @@ def fit_with_autopilot(trainer, make_trainer, build_s: float) -> list[dict]:
     pilot = Pilot(trainer, make_trainer, build_s)
     ap, steps = trainer.cfg.autopilot, trainer.cfg.train.steps
     history: list[dict] = []
+    pilot.phase = pilot.phase if ap.layouts else "done"
     while pilot.phase != "done":
         start = trainer.step
         end = start + ap.skip_steps + ap.measure_steps
@@ -215,6 +217,8 @@ def fit_with_autopilot(trainer, make_trainer, build_s: float) -> list[dict]:
         trainer.flush_records()  # the window's last record completes (collective)
         window = [r for r in history if start + ap.skip_steps < r["step"] <= end and r["step"] not in after_probe]
         trainer = pilot.step(trainer, window, probe)
+    if ap.rebalance:  # then move layers off a slow pipeline stage (train/rebalance.py)
+        trainer = rebalance_to(trainer, make_trainer, build_s, history)
     history += trainer.run_steps(steps)
     trainer.close()
     return history

@@ -82,12 +82,13 @@ def _destroy_groups(topo: Topology, extra=()) -> None:
         dist.destroy_process_group(group)
 
 
-def move(trainer, layout: Layout, make_trainer):
-    """The trainer of ``layout`` continuing ``trainer``'s run (see the module docstring);
-    ``make_trainer(cfg, topo)`` builds one. Returns (new trainer, seconds the move took)."""
+def move(trainer, layout: Layout, make_trainer, pp_layers: list[int] | None = None):
+    """The trainer of ``layout`` (its layers split as ``pp_layers``; None: the balanced
+    rule) continuing ``trainer``'s run (see the module docstring); ``make_trainer(cfg,
+    topo)`` builds one. Returns (new trainer, seconds the move took)."""
     started = time.perf_counter()
     folder = save_for_move(trainer)
-    cfg = with_layout(trainer.cfg, layout)
+    cfg = with_layout(trainer.cfg, layout, pp_layers)
     cfg.checkpoint.resume = folder
     old_topo, old_groups = trainer.topo, [trainer.checkpointer.group]
     trainer.release()
