@@ -17,10 +17,12 @@ crashes or runs out of time is reported in the table and the next one runs):
               cuda:0, pipeline messages staged through pinned host buffers, Triton GEMMs
               forced) against 1x1x1: fp32 losses step by step, with 1F1B and with zb-v (B and
               W split: the Triton dgrad and the deferred wgrad)
-    cp        context parallelism at cp 2, ring and all-gather, against full-sequence SDPA in
-              float64 and beside torch's bf16 SDPA kernel, forward and backward, bf16: both cp
-              ranks computed in one process by the modes' own block code (one GPU hosts no two
-              NCCL ranks, and gloo's send/recv read host memory only): _acceptance_cp.py
+    cp        context parallelism at cp 2, ring and all-gather, causal and with packed
+              documents, against full-sequence SDPA in float64 and beside torch's bf16 SDPA
+              kernel, forward and backward, bf16: both cp ranks in one process running the
+              modes' own code (the ring's ranks on threads, messages in memory: one GPU hosts
+              no two NCCL ranks, and gloo's send/recv read host memory only), the blocks on
+              the GPU's flash and memory-efficient kernels: _acceptance_cp.py
 
 The figures go to stdout and, as markdown, to ``--out``. ``--smoke`` runs every section's
 code on CPU with tiny shapes (the kernels under TRITON_INTERPRET=1, 8 gloo processes of the
@@ -52,8 +54,8 @@ SECTIONS = {
     "train": ("1B preset, bf16: parallel3d Trainer vs a plain PyTorch loop", 85, 90, False),
     "layout3d": ("tp 2 x pp 2 x dp 2 on one device (8 processes, gloo) vs 1x1x1, fp32, 1F1B and zb-v",
                  70, 180, False),
-    "cp": ("Context parallelism at cp 2, ring and all-gather (both ranks in one process) vs full SDPA, "
-           "forward and backward, bf16", 35, 90, False),
+    "cp": ("Context parallelism at cp 2, ring and all-gather (both ranks in one process), causal and packed "
+           "documents, vs full SDPA, forward and backward, bf16", 35, 90, False),
     "moe": ("MoE experts: Triton grouped GEMM vs torch._grouped_mm; the experts at ep 2 (both ranks in one "
             "process) vs float64 at ep 1, forward and backward, bf16", 50, 90, True),
 }

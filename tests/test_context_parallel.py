@@ -249,6 +249,38 @@ def test_the_cuda_kernel_choice(monkeypatch):
     assert pick(torch.float16, 64) == "efficient" and pick(torch.bfloat16, 64) is None
 
 
+@pytest.mark.parametrize("path", ["kernel", "cuda-flash"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_every_rank_in_one_process_equals_sdpa(cp, path):
+    """``local.py``: both modes' own code for every cp rank in this process (the ring's
+    ranks on threads, messages through mailboxes), what ``benchmarks/_acceptance_cp.py``
+    runs on one GPU: out, dq, dk, dv of the whole sequence against SDPA, causal and with
+    packed documents, through the CPU kernel and the CUDA branch (look-alikes). fp32."""
+    from parallel3d.context_parallel.local import allgather_ranks, ring_ranks
+
+    torch.manual_seed(5)
+    S = 8 * cp
+    q, d_out = torch.randn(2, 4, S, 8), torch.randn(2, 4, S, 8)
+    k, v = torch.randn(2, 2, S, 8), torch.randn(2, 2, S, 8)
+    ids = torch.tensor([[0] * 5 + [1] * (S - 12) + [2] * 7, [0] * (S - 3) + [1] * 3])
+    starts = torch.stack([torch.searchsorted(row, row, right=False) for row in ids])  # (2, S) first index
+    with _block_path(path):
+        for doc_starts in (None, starts):
+            same = (ids.unsqueeze(-1) == ids.unsqueeze(-2)) & torch.ones(S, S, dtype=torch.bool).tril()
+            mask = None if doc_starts is None else same.unsqueeze(1)  # (2, 1, S, S)
+            leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+            if mask is None:
+                ref = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=True)
+            else:
+                ref = F.scaled_dot_product_attention(*leaves, attn_mask=mask, enable_gqa=True)
+            ref.backward(d_out)
+            want = [ref.detach()] + [x.grad for x in leaves]
+            for fn in (allgather_ranks, ring_ranks):
+                got = fn(q, k, v, d_out, cp, doc_starts)
+                for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=f"{fn.__name__} {name}")
+
+
 def test_causal_blocks_in_uneven_rows_equal_sdpa(monkeypatch):
     """The all-gather mode's local part (both cp 2 ranks in this process, the K/V given
     whole) with its causal blocks of c = 10 tokens cut into rows of 3, 3 and 4

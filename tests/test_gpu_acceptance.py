@@ -147,23 +147,26 @@ def test_the_linear_check_catches_a_main_grad_that_is_overwritten_not_accumulate
 
 
 def test_the_cp_section_passes_and_catches_a_missing_block(tmp_path, monkeypatch):
-    """The cp section in this process (CPU, bf16, S = 64: ~1 s): both modes within the
-    bf16 tolerance of float64 SDPA; a ring whose rank skips one block of a later step
-    (the K/V received from the other rank) is caught, by an O(1) error."""
+    """The cp section in this process (CPU, bf16, S = 64: ~1 s): both modes, causal and
+    with packed documents, within the bf16 tolerance of float64 SDPA; a ring whose ranks
+    skip the span of every later step (the K/V received from the other rank), in the
+    ring's own code (``ring.ring_spans``, what ``_RingAttention`` runs), is caught by an
+    O(1) error while the all-gather rows stay ok."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import _acceptance_cp as cp_section
-    from parallel3d.context_parallel import blocks
+    from parallel3d.context_parallel import ring
 
     rows = []
     cp_section.context_parallel(True, tmp_path, rows.append)
-    assert [r["check"] for r in rows] == ["ok (reference for the tolerance)", "ok", "ok"], rows
-    assert "ring" in rows[2]["side"] and "all-gather" in rows[1]["side"]
+    assert [r["check"] for r in rows] == ["ok (reference for the tolerance)"] + ["ok"] * 4, rows
+    assert ["all-gather" in r["side"] for r in rows[1:]] == [True, False, True, False], rows
+    assert all(r["kernels"] == "CPU flash" for r in rows[1:]), rows
 
-    plan = blocks.ring_plan
-    monkeypatch.setattr(blocks, "ring_plan", lambda cp, r: [s[:-1] if t else s for t, s in enumerate(plan(cp, r))])
+    spans_of = ring.ring_spans
+    monkeypatch.setattr(ring, "ring_spans", lambda cp, r: [s if t == 0 else [] for t, s in enumerate(spans_of(cp, r))])
     rows = []
     cp_section.context_parallel(True, tmp_path, rows.append)
-    assert rows[1]["check"] == "ok" and rows[2]["check"].startswith("FAIL"), rows
+    assert [r["check"][:4] for r in rows[1:]] == ["ok", "FAIL", "ok", "FAIL"], rows
 
 
 def test_the_gpu_selection_leaves_out_the_autotune_test_only():

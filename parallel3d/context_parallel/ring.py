@@ -40,21 +40,51 @@ def _held_chunks(cp: int, cp_rank: int, t: int) -> tuple[int, int]:
     return src, 2 * cp - 1 - src
 
 
+def ring_forward(q, k, v, docs, scale, cp: int, cp_rank: int, shift):
+    """(O (B, H, S_l, D) in q's dtype, lse (B, H, S_l) fp32) of this rank's queries over
+    the whole sequence. ``shift(x, tag)`` posts the send of ``x`` to cp rank ``r+1`` and
+    the receive from ``r-1`` and returns a handle whose ``wait()`` gives what came in
+    (``comm.ring_shift`` on the cp group; anything that delivers the same, for cp ranks
+    in one process)."""
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
+    kv = torch.stack([k, v])  # (2, B, Hkv, S_l, D): one message a step
+    for t, spans in enumerate(ring_spans(cp, cp_rank)):
+        pending = shift(kv, KV_TAG) if t < cp - 1 else None
+        forward_spans(q, kv, spans, _held_chunks(cp, cp_rank, t), docs, scale, out, lse)
+        if pending is not None:
+            kv = pending.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(q, k, v, o, lse, d_out, docs, scale, cp: int, cp_rank: int, shift):
+    """(dq, dk, dv) of this rank's q, k, v from its ``o``, ``lse`` and upstream ``d_out``;
+    ``shift`` as :func:`ring_forward`. dK/dV accumulators travel with the K/V and end at
+    their owner."""
+    d_out = d_out.to(q.dtype)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    incoming = None  # the dK/dV accumulator of the K/V now held, from rank r-1
+    for t, spans in enumerate(ring_spans(cp, cp_rank)):
+        pending = shift(kv, KV_TAG) if t < cp - 1 else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, S_l, D)
+        backward_spans(q, kv, o, d_out, lse, spans, _held_chunks(cp, cp_rank, t), docs, scale, dq, dkv)
+        if incoming is not None:
+            dkv.add_(incoming.wait())
+        incoming = shift(dkv, GRAD_TAG)  # on to the next holder, last: the owner
+        if pending is not None:
+            kv = pending.wait()
+    dkv = incoming.wait()
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     """q (B, H, S_l, D), k / v (B, Hkv, S_l, D), docs a ``DocumentStarts`` or None -> (B, H, S_l, D)."""
 
     @staticmethod
     def forward(ctx, q, k, v, docs, group, scale):
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-        kv = torch.stack([k, v])  # (2, B, Hkv, S_l, D): one message a step
-        for t, spans in enumerate(ring_spans(cp, r)):
-            pending = ring_shift(kv, group, KV_TAG) if t < cp - 1 else None
-            forward_spans(q, kv, spans, _held_chunks(cp, r, t), docs, scale, out, lse)
-            if pending is not None:
-                kv = pending.wait()
-        o = out.to(q.dtype)  # (B, H, S_l, D)
+        o, lse = ring_forward(q, k, v, docs, scale, cp, r, lambda x, tag: ring_shift(x, group, tag))
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.group, ctx.scale, ctx.docs = group, scale, docs
         return o
@@ -62,23 +92,11 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, o, lse = ctx.saved_tensors
-        group, scale, docs = ctx.group, ctx.scale, ctx.docs
+        group = ctx.group
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        d_out = d_out.to(q.dtype)
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        incoming = None  # the dK/dV accumulator of the K/V now held, from rank r-1
-        for t, spans in enumerate(ring_spans(cp, r)):
-            pending = ring_shift(kv, group, KV_TAG) if t < cp - 1 else None
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, S_l, D)
-            backward_spans(q, kv, o, d_out, lse, spans, _held_chunks(cp, r, t), docs, scale, dq, dkv)
-            if incoming is not None:
-                dkv.add_(incoming.wait())
-            incoming = ring_shift(dkv, group, GRAD_TAG)  # on to the next holder, last: the owner
-            if pending is not None:
-                kv = pending.wait()
-        dkv = incoming.wait()
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
+        grads = ring_backward(q, k, v, o, lse, d_out, ctx.docs, ctx.scale, cp, r,
+                              lambda x, tag: ring_shift(x, group, tag))
+        return (*grads, None, None, None)
 
 
 def ring_attention(q, k, v, group, doc_starts=None, scale=None):
