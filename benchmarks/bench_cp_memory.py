@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _trainer_memory import in_fresh_processes, peak_rss, train  # noqa: E402
 
 MODEL = {"preset": "debug", "vocab_size": 512, "n_layers": 2, "dim": 128, "n_heads": 4, "n_kv_heads": 2,
          "ffn_dim": 352}
@@ -43,14 +44,6 @@ DATA = {"vocab_size": 512}
 CORPUS_DIR = "/tmp/p3d-bench-corpus-cp"
 SHORT = 512
 MiB = 2**20
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory in bytes (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def _job(cp: int, comm: str, seq_len: int, run_dir: str, max_bytes: int, model: dict) -> dict:
@@ -67,19 +60,8 @@ def _job(cp: int, comm: str, seq_len: int, run_dir: str, max_bytes: int, model: 
 
 def _rank(job: dict) -> dict:
     """One rank: the trainer's steps, then this process's peak RSS."""
-    import time as _time
-
-    from parallel3d.config import config_from_dict
-    from parallel3d.distributed import set_host_allocator
-    from parallel3d.topology import Topology
-    from parallel3d.train.trainer import Trainer
-
-    set_host_allocator(job["launch"]["host_memory"])  # as worker_main does for `parallel3d train`
-    cfg = config_from_dict(job)
-    _allow_seq_len(cfg.train.seq_len)
-    t0 = _time.perf_counter()
-    losses = [r["loss"] for r in Trainer(cfg, Topology.of(cfg.parallel), log=False).fit()]
-    return {"peak": peak_rss(), "seconds": _time.perf_counter() - t0, "losses": losses}
+    _, losses, seconds = train(job, prepare=lambda cfg: _allow_seq_len(cfg.train.seq_len))
+    return {"peak": peak_rss(), "seconds": seconds, "losses": losses}
 
 
 def _allow_seq_len(seq_len: int) -> None:
@@ -100,14 +82,8 @@ def _allow_seq_len(seq_len: int) -> None:
 def measure(cp: int, comm: str, seq_len: int, max_bytes: int, model: dict = MODEL,
             timeout: float = 1800) -> dict:
     """One configuration in cp fresh processes: the largest peak RSS over its ranks."""
-    from parallel3d.testing import ProcessGroupPool
-
     with tempfile.TemporaryDirectory(prefix="p3d-cp-mem-") as run_dir:
-        pool = ProcessGroupPool(cp, timeout=timeout, start_method="spawn")
-        try:
-            ranks = pool.run(_rank, _job(cp, comm, seq_len, run_dir, max_bytes, model))
-        finally:
-            pool.close()
+        ranks = in_fresh_processes(_rank, _job(cp, comm, seq_len, run_dir, max_bytes, model), cp, timeout)
     return {"cp": cp, "comm": comm, "seq_len": seq_len, "peak": max(r["peak"] for r in ranks),
             "peaks": [r["peak"] for r in ranks], "seconds": max(r["seconds"] for r in ranks),
             "loss": ranks[0]["losses"][-1]}

@@ -38,6 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _trainer_memory import in_fresh_processes, peak_rss, train  # noqa: E402
 
 # 16 layers of dim 1024 (16 heads on 8 kv-heads, ffn 2816) and a 32000 vocabulary, untied:
 # 189M in the layers + 65.5M in the embedding and head = 254M parameters
@@ -51,18 +52,12 @@ CORPUS_DIR = "/tmp/p3d-bench-corpus-lora"
 MiB = 2**20
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _job(model: dict, rank: int, run_dir: str) -> dict:
+def _job(model: dict, rank: int, run_dir: str, recompute: str = "none") -> dict:
     return {"model": model,
             "parallel": {"tp": 2, "pp": 2, "dp": 1, "schedule": "1f1b"},
             "train": {"steps": 2, "seed": 1, "global_batch": 2, "micro_batch": 1, "seq_len": 128,
-                      "lr": 1e-4, "warmup_steps": 0, "dtype": "fp32", "log_interval": 10**9},
+                      "lr": 1e-4, "warmup_steps": 0, "dtype": "fp32", "log_interval": 10**9,
+                      "recompute": recompute},
             "lora": {"rank": rank, "alpha": 2.0 * max(rank, 1), "targets": TARGETS},
             "data": {**DATA, "cache_dir": CORPUS_DIR},
             "eval": {"interval": 0},
@@ -73,46 +68,32 @@ def _job(model: dict, rank: int, run_dir: str) -> dict:
 
 def _rank(job: dict) -> dict:
     """One rank: its base RSS, the trainer's 2 steps, its bytes and its peak RSS."""
-    from parallel3d.config import config_from_dict
-    from parallel3d.distributed import set_host_allocator
-    from parallel3d.topology import Topology
-    from parallel3d.train.trainer import Trainer
     from parallel3d.zero.memory import memory_report
 
-    set_host_allocator(job["launch"]["host_memory"])  # as worker_main does for `parallel3d train`
-    cfg = config_from_dict(job)
-    t0 = time.perf_counter()
-    trainer = Trainer(cfg, Topology.of(cfg.parallel), log=False)
-    losses = [r["loss"] for r in trainer.fit()]
+    trainer, losses, seconds = train(job)
     report = memory_report(trainer.model, trainer.optimizer)
     params = list(trainer.model.parameters())
     frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
-    return {"peak": _status("VmHWM"), "frozen": frozen, "trained": report["total"] - frozen,
+    return {"peak": peak_rss(), "frozen": frozen, "trained": report["total"] - frozen,
             "grads": report["grads"], "optimizer_state": report["optimizer_state"],
             "trainable_numel": sum(p.numel() for p in params if p.requires_grad),
-            "numel": sum(p.numel() for p in params), "seconds": time.perf_counter() - t0, "losses": losses,
+            "numel": sum(p.numel() for p in params), "seconds": seconds, "losses": losses,
             "stage": trainer.topo.pp_rank}
 
 
-def planned_transient(model: dict, rank: int) -> dict[int, int]:
+def planned_transient(model: dict, rank: int, recompute: str = "none") -> dict[int, int]:
     """Stage -> the dry run's activations + buffers (the planner's) for the same job."""
     from parallel3d.config import config_from_dict
     from parallel3d.train.dryrun import dry_run
 
     with tempfile.TemporaryDirectory(prefix="p3d-lora-mem-") as run_dir:
-        reports = dry_run(config_from_dict(_job(model, rank, run_dir)), 4, out=lambda line: None)["reports"]
+        reports = dry_run(config_from_dict(_job(model, rank, run_dir, recompute)), 4, out=lambda line: None)["reports"]
     return {r.stage: sum(r.transient) for r in reports}
 
 
-def measure(model: dict, rank: int, timeout: float = 3600) -> list[dict]:
-    from parallel3d.testing import ProcessGroupPool
-
+def measure(model: dict, rank: int, recompute: str = "none", timeout: float = 3600) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="p3d-lora-mem-") as run_dir:
-        pool = ProcessGroupPool(4, timeout=timeout, start_method="spawn")
-        try:
-            return pool.run(_rank, _job(model, rank, run_dir))
-        finally:
-            pool.close()
+        return in_fresh_processes(_rank, _job(model, rank, run_dir, recompute), 4, timeout)
 
 
 def table(name: str, ranks: list[dict], bases: list[dict], planned: dict[int, int]) -> str:
@@ -134,6 +115,8 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16, help="lora.rank")
     parser.add_argument("--smoke", action="store_true", help="tiny model: the code path")
     parser.add_argument("--no-full", action="store_true", help="skip full training's run")
+    parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                        help="train.recompute of the measured runs (full: each layer keeps only its input)")
     args = parser.parse_args()
     import torch
 
@@ -145,10 +128,12 @@ def main() -> int:
     model = SMOKE if args.smoke else MODEL
     t0 = time.time()
     bases = measure(SMOKE, args.rank)
-    out = [table(f"LoRA rank {args.rank}", lora := measure(model, args.rank), bases,
-                 planned_transient(model, args.rank))]
+    rc = args.recompute
+    out = [table(f"LoRA rank {args.rank}, recompute {rc}", lora := measure(model, args.rank, rc), bases,
+                 planned_transient(model, args.rank, rc))]
     if not args.no_full:
-        out.append(table("full training", full := measure(model, 0), bases, planned_transient(model, 0)))
+        out.append(table(f"full training, recompute {rc}", full := measure(model, 0, rc), bases,
+                         planned_transient(model, 0, rc)))
         worst = max(range(4), key=lambda i: lora[i]["peak"])
         print(f"worst rank's peak: LoRA {lora[worst]['peak'] / MiB:.0f} MiB, full training "
               f"{full[worst]['peak'] / MiB:.0f} MiB ({lora[worst]['peak'] / full[worst]['peak']:.2f}x)")

@@ -10,12 +10,12 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from parallel3d.cli import main as cli_main
 from parallel3d.data.prepare import prepare_data
 
-from chat_inputs import make_chat_tokenizer, write_jsonl
+from chat_inputs import write_jsonl
+from chat_models import END, greedy_answer, save_chat_llama
 from test_sft_recipe import CONVERSATIONS, ROOT
 
 transformers = pytest.importorskip("transformers")
@@ -25,21 +25,10 @@ RECIPE = ROOT / "recipes" / "lora_chat.toml"
 
 
 def _base_model(folder: Path) -> Path:
-    """A random Llama saved by transformers, with a ChatML tokenizer in the same folder."""
-    folder.mkdir()
-    make_chat_tokenizer(folder, "chatml")
-    cfg = transformers.LlamaConfig(vocab_size=608, hidden_size=64, intermediate_size=160,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(3)
-    model = transformers.LlamaForCausalLM(cfg)
     # The head scaled to rows of norm ~6: under the final norm (RMS 1) a logit is at most
     # |row| x 8, and the init's rows of 0.16 cap every logit near 1, which a frozen head
     # keeps (a trained model's head is not so flat; measured: loss 5.8 after 60 steps).
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)
-    model.save_pretrained(folder)
-    return folder
+    return save_chat_llama(folder, head_scale=40)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -73,17 +62,8 @@ def test_lora_recipe_learns_conversations_and_peft_answers_them(tmp_path):
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
     model = peft.PeftModel.from_pretrained(base, str(adapter)).eval()
     tok = transformers.AutoTokenizer.from_pretrained(adapter)  # the base's, copied along
-    end = tok.convert_tokens_to_ids("<|im_end|>")
     for i, (question, answer) in enumerate(CONVERSATIONS):
-        prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
-                                         add_generation_prompt=True, return_dict=False)
-        ids = torch.tensor([list(prompt)])
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                 do_sample=False, eos_token_id=end, pad_token_id=end)
-        assert tok.decode(got[0, ids.shape[1]:]) == answer + "<|im_end|>", question
+        assert greedy_answer(model, tok, question) == answer + END, question
         if i == 0:
-            with model.disable_adapter(), torch.no_grad():  # the base alone does not know it
-                plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                       do_sample=False, eos_token_id=end, pad_token_id=end)
-            assert tok.decode(plain[0, ids.shape[1]:]) != answer + "<|im_end|>"
+            with model.disable_adapter():  # the base alone does not know it
+                assert greedy_answer(model, tok, question) != answer + END

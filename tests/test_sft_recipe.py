@@ -19,6 +19,7 @@ from parallel3d.planner.hardware import FRAGMENTATION, gpu_named, usable_bytes
 from parallel3d.train.dryrun import dry_run
 
 from chat_inputs import make_chat_tokenizer, write_jsonl
+from chat_models import END, greedy_answer, save_chat_llama
 from helpers import write_llama31_8b_config
 
 transformers = pytest.importorskip("transformers")
@@ -42,14 +43,7 @@ def _cli(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory) -> Path:
     """A random Llama saved by transformers, with a ChatML tokenizer in the same folder."""
-    folder = tmp_path_factory.mktemp("hf_chat")
-    make_chat_tokenizer(folder, "chatml")
-    cfg = transformers.LlamaConfig(vocab_size=608, hidden_size=64, intermediate_size=160,
-                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=256, tie_word_embeddings=False)
-    torch.manual_seed(3)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
+    return save_chat_llama(tmp_path_factory.mktemp("hf_chat"))
 
 
 @pytest.fixture(scope="module")
@@ -123,15 +117,8 @@ def _sft_learns_and_answers(chat_model: Path, tmp_path: Path, extra: list[str]) 
     out = run / "hf"
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out)
-    end = tok.convert_tokens_to_ids("<|im_end|>")
     for question, answer in CONVERSATIONS:
-        prompt = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=True,
-                                         add_generation_prompt=True, return_dict=False)
-        ids = torch.tensor([list(prompt)])
-        with torch.no_grad():
-            got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
-                                 do_sample=False, eos_token_id=end, pad_token_id=end)
-        assert tok.decode(got[0, ids.shape[1]:]) == answer + "<|im_end|>", question
+        assert greedy_answer(model, tok, question) == answer + END, question
 
 
 def test_sft_recipe_fits_an_h100_for_llama31_8b(tmp_path):
