@@ -4,6 +4,7 @@ running ``parallel3d.context_parallel.cuda_blocks`` on CPU: the signatures of
 backwards in torch 2.13, and their return layouts (``torch/_meta_registrations.py``),
 with what the real kernels demand checked and their awkward parts reproduced:
 
+- both: unit stride along the head dim of every input (checked);
 - flash: grouped-query heads natively; ``is_causal`` bottom-right aligned (flash-attn's:
   query ``i`` sees keys ``j <= i + Sk - Sq``); the backward reads the lse as a raw
   contiguous (B, H, Sq) array (a strided one is refused here).
@@ -68,12 +69,17 @@ def _backward(d_out, q, k, v, out, lse, scale, shift, bias):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def _unit_stride(*xs):
+    assert all(x.stride(-1) == 1 for x in xs), "the kernels want unit stride along the head dim"
+
+
 def _scale(q, scale):
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     assert dropout_p == 0.0 and not return_debug_mask
+    _unit_stride(query, key, value)
     assert query.shape[1] % key.shape[1] == 0 and key.shape == value.shape
     shift = key.shape[2] - query.shape[2] if is_causal else None
     out, lse = _forward(query, key, value, _scale(query, scale), shift, None)
@@ -85,6 +91,7 @@ def flash(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=F
 def flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                    dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     assert dropout_p == 0.0 and cum_seq_q is None and cum_seq_k is None
+    _unit_stride(grad_out, query, key, value, out)
     assert (max_q, max_k) == (query.shape[2], key.shape[2])
     assert logsumexp.dtype == torch.float32 and logsumexp.shape == query.shape[:3], logsumexp.shape
     assert logsumexp.is_contiguous(), "flash's backward reads the lse as a contiguous array"
@@ -102,6 +109,7 @@ def _check_bias(bias, query, key):
 
 def efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None):
     assert compute_log_sumexp and dropout_p == 0.0
+    _unit_stride(query, key, value)
     assert key.shape[1] == query.shape[1] == value.shape[1], "the efficient kernel has no grouped-query heads"
     _check_bias(attn_bias, query, key)
     out, lse = _forward(query, key, value, _scale(query, scale), 0 if is_causal else None, attn_bias)
@@ -115,6 +123,7 @@ def efficient(query, key, value, attn_bias, compute_log_sumexp, dropout_p=0.0, i
 def efficient_backward(grad_out_, query, key, value, attn_bias, out, logsumexp, philox_seed, philox_offset,
                        dropout_p, grad_input_mask, is_causal=False, *, scale=None):
     assert dropout_p == 0.0 and list(grad_input_mask) == [True, True, True, False]
+    _unit_stride(grad_out_, query, key, value, out)
     assert key.shape[1] == query.shape[1], "the efficient kernel has no grouped-query heads"
     _check_bias(attn_bias, query, key)
     M = query.shape[2]

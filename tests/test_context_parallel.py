@@ -196,11 +196,12 @@ def test_a_block_by_the_cuda_kernels_equals_the_explicit_math(monkeypatch, kerne
     keys causal or 53 full, 6 heads on 2 kv-heads (flash groups natively, efficient gets
     the K/V repeated and sums dK/dV back), documents leaving rows without a visible key
     (the look-alike's output NaN there: the branch must give 0 and lse -inf); forward and
-    backward from a row's lse against the explicit math. fp32: sums in another order."""
+    backward from a row's lse against the explicit math, the upstream gradient strided
+    along the head dim (the kernels want it unit-strided). fp32: sums in another order."""
     _cuda_branch(monkeypatch, kernel)
     torch.manual_seed(2)
     ck = 37 if kind == CAUSAL else 53
-    q, d_out = torch.randn(2, 6, 37, 16), torch.randn(2, 6, 37, 16)
+    q, d_out = torch.randn(2, 6, 37, 16), torch.randn(2, 6, 16, 37).transpose(-1, -2)  # dO as if transposed
     k, v = torch.randn(2, 2, ck, 16), torch.randn(2, 2, ck, 16)
     q_docs = torch.tensor([[0] * 10 + [1] * 27, [2] * 37])  # row 1: no key of its document
     k_docs = torch.tensor([[0] * 5 + [1] * (ck - 5), [1] * ck])

@@ -102,6 +102,12 @@ def _sum_heads(g: torch.Tensor, hkv: int) -> torch.Tensor:
     return g if g.shape[1] == hkv else g.unflatten(1, (hkv, g.shape[1] // hkv)).sum(2)
 
 
+def _rows_contiguous(*xs):
+    """The kernels read q, k, v, out and dO with strides but want unit stride along the
+    head dim (an upstream gradient can arrive transposed): copied where it is not."""
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs]
+
+
 def _philox(device, dtype, shape):
     """Placeholders for a kernel's random state (no dropout: never read)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -110,6 +116,7 @@ def _philox(device, dtype, shape):
 def block_forward(kernel: str, q, k, v, causal: bool, visible, scale: float):
     """(O (B, H, cq, D) fp32, lse (B, H, cq) fp32) of one block (module docstring)."""
     _check_square(q, k, causal)
+    q, k, v = _rows_contiguous(q, k, v)
     cq = q.shape[2]
     if kernel == "flash":
         assert visible is None, "the flash kernel takes no mask"
@@ -131,6 +138,7 @@ def block_backward(kernel: str, q, k, v, out, d_out, lse, causal: bool, visible,
     """(dq (B, H, cq, D), dk, dv (B, Hkv, ck, D)) fp32 of one block from the whole row's
     ``out`` (q's dtype), ``d_out`` and ``lse`` (B, H, cq) fp32 (module docstring)."""
     _check_square(q, k, causal)
+    q, k, v, out, d_out = _rows_contiguous(q, k, v, out, d_out)
     B, H, cq = q.shape[:3]
     if kernel == "flash":
         assert visible is None, "the flash kernel takes no mask"
