@@ -64,7 +64,7 @@ def test_context_parallel_trains_as_one_process(pools, corpus_dir, tmp_path, ref
 
 def _chat_job(data: str, run_dir: str, **parallel) -> dict:
     job = tiny_job("", run_dir, model={"vocab_size": 640, "n_layers": 2},
-                   train={"steps": 4, "global_batch": 8, "micro_batch": 1, "seq_len": 128,
+                   train={"steps": STEPS, "global_batch": 8, "micro_batch": 1, "seq_len": 128,
                           "grad_clip": 0.0, "warmup_steps": 1}, parallel=parallel)
     job["data"] = {"path": data}
     return job
