@@ -147,6 +147,12 @@ def _check(run_dir: Path, job: dict, losses: list[float]) -> list[dict]:
     after = [e["action"] for e in events if e["step"] > 10 and not e["action"].endswith("done")]
     assert after == ["confirmed", "stay"], events
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    # `parallel3d report` says it, and draws the move
+    from parallel3d.observe.report import autopilot_lines, moves as drawn
+
+    assert any("rebalance: stage 1" in line and "pp_layers [2, 2] -> [3, 1]" in line
+               for line in autopilot_lines(events)), autopilot_lines(events)
+    assert drawn(events) == [(10, "pp_layers [3, 1]")]
     index = json.loads((run_dir / "checkpoints" / "step_00000010" / "index.json").read_text())
     assert index["layout"]["pp"] == 2
     # fp32: another split adds the same products in another order; 1e-5 is the parity bar

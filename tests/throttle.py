@@ -32,8 +32,9 @@ def can_throttle() -> str:
 # The weight of a "host" group against the machine's other processes (1024 each): on a
 # shared 2-core machine a host of one process gets its core, as a host of its own would
 # (the other agents' processes would otherwise give it half a core and a quota of half a
-# core would not bind). 65536: 97% of two cores for two such groups beside 5 busy processes.
-HOST_SHARES = 65536
+# core would not bind). The largest weight cgroup v1 takes: two such groups get 95% of two
+# cores beside 30 busy processes.
+HOST_SHARES = 262144
 
 
 @contextmanager

@@ -1,10 +1,12 @@
 """``autopilot.rebalance``: move layers off a persistently slow pipeline stage, inside the
 running processes (the decision: :mod:`parallel3d.autopilot.balance`).
 
-Every ``autopilot.skip_steps + autopilot.measure_steps`` steps the job judges the window's
-straggler checks (``observability.straggler_interval``: every rank's mean busy time, the
-rows of ``ranks.jsonl``), those after the window's first ``skip_steps``: rank 0 reads them,
-decides, and broadcasts, so every rank acts alike. A rebalance is a move to the same
+Every ``autopilot.skip_steps + autopilot.measure_steps`` steps the job judges the straggler
+checks (``observability.straggler_interval``: every rank's mean busy time, the rows of
+``ranks.jsonl``) of its current split, all of them but those of the split's first
+``skip_steps`` (the medians steady as the run goes on, so that the load's noise does not
+move the layers back and forth): rank 0 reads them, decides, and broadcasts, so every rank
+acts alike. A rebalance is a move to the same
 layout with another ``parallel.pp_layers`` (:func:`parallel3d.train.regroup.move`: a
 checkpoint, the new stages built, the checkpoint read back), which computes the same
 numbers as before: every split is the same model. With ``autopilot.act = false`` the
@@ -100,6 +102,7 @@ def rebalance_to(trainer, make_trainer, build_s: float, history: list[dict]):
         _say(trainer, {"step": trainer.step, "event": "autopilot", "kind": "rebalance", "action": "off",
                        "reason": why_not}, f"no rebalancing: {why_not}")
     pending = None  # (measured step before a move, the split moved from)
+    since = trainer.step  # the current split runs since this step
     while not why_not:
         start = trainer.step
         end = start + ap.skip_steps + ap.measure_steps
@@ -118,7 +121,7 @@ def rebalance_to(trainer, make_trainer, build_s: float, history: list[dict]):
             continue
         decision = None
         if trainer.metrics is not None:
-            decision = _decide(trainer, window, _tables(trainer, start + ap.skip_steps, end),
+            decision = _decide(trainer, window, _tables(trainer, since + ap.skip_steps, end),
                                ap.move_cost_s or build_s)
         decision = _share(trainer, decision)
         if decision is None:
@@ -128,7 +131,7 @@ def rebalance_to(trainer, make_trainer, build_s: float, history: list[dict]):
             event["action"], event["reason"] = "stay", f"autopilot.act is false ({decision.reason})"
         _say(trainer, event, f"step {trainer.step}: {event['action']}: {event['reason']}")
         if event["action"] == "rebalance":
-            pending = (decision.measured_s, decision.split)
+            pending, since = (decision.measured_s, decision.split), end
             trainer = _move(trainer, make_trainer, decision.target, "move")
     history += trainer.run_steps(steps)
     return trainer
