@@ -4,6 +4,7 @@ step against cp 1's (issue 32, acceptance 5).
 
     python benchmarks/bench_cp_speed.py [--seq-len 4096] [--rounds 10] [--json FILE]
     python benchmarks/bench_cp_speed.py --smoke          # tiny, seconds: the code path
+    python benchmarks/bench_cp_speed.py --tables-from A.json B.json   # saved runs together
 
 Two gloo ranks (one thread each) of one pool; every round runs each side once, the
 order rotating from round to round (the machine is shared: a side never always follows
@@ -48,10 +49,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from _cp_rounds import combined, confidence  # noqa: E402
 
 MODEL = {"vocab_size": 512, "dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 688}
 ATTN_SIDES = ("cp 1 (1 thread)", "cp 1 (2 threads)", "cp 2 allgather", "cp 2 ring", "ulysses")
@@ -344,9 +348,15 @@ def table(res: dict, seq: int, rounds: int, model_kw: dict) -> str:
     lines += ["", f"first losses agree to {worst:.1e} (relative; every side the same model, weights and tokens); "
               f"attention at S = 256 against SDPA: largest error {max(res['errors'].values()):.1e}"]
     for side in ("cp 2 allgather", "cp 2 ring"):
-        ratios = [a[0] / b[0] for a, b in zip(step[side], step["ulysses"])]
-        lines.append(f"{side}: step at or under Ulysses' in {sum(r <= 1.0 for r in ratios)} of {len(ratios)} rounds")
+        for what, times in (("step", step), ("attention", attn)):
+            for which, name in ((0, "wall"), (1, "CPU")):
+                lines.append(f"{side} {what} {name} vs Ulysses: "
+                             + confidence(_column(times[side], which), _column(times["ulysses"], which)))
+        for which, name in ((0, "wall"), (1, "CPU")):
+            lines.append(f"{side} step {name} vs cp 1 (1 thread): "
+                         + confidence(_column(step[side], which), _column(step["cp 1 (1 thread)"], which)))
     return "\n".join(lines)
+
 
 
 def main() -> int:
@@ -355,8 +365,14 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--json", help="also write every round's times here")
     parser.add_argument("--smoke", action="store_true", help="tiny model and sequence, 1 round: the code path")
+    parser.add_argument("--tables-from", nargs="+", metavar="JSON",
+                        help="no run: the tables of saved runs (--json) taken together")
     args = parser.parse_args()
     model_kw = dict(MODEL)
+    if args.tables_from:
+        res, rounds = combined(args.tables_from)
+        print(table(res, args.seq_len, rounds, model_kw))
+        return 0
     if args.smoke:
         args.seq_len, args.rounds = 64, 1
         model_kw.update(dim=32, ffn_dim=64)
