@@ -10,8 +10,10 @@ cases alternated round by round so machine noise hits them alike:
 - ``comm``: ZeRO 2's traffic of a step alone: every bucket's fp32 reduce-scatter and the
   parameters' all-gather, issued together and waited for (and each kind alone: ``rs``,
   ``ag``);
-- ``zero2-off``: ZeRO 2, gradients reduced after the backward, the all-gather waited for
-  in the step (nothing overlapped);
+- ``zero2-off``: ZeRO 2's traffic with nothing overlapped: every bucket reduce-scattered
+  after the backward, the all-gather waited for in the step. Stage 2 itself reduces as
+  the backward fills its buckets whatever it is told (it holds no full gradient to reduce
+  later), so this case runs stage 1, whose reduce-scatter and all-gather are the same;
 - ``zero2-on``: ZeRO 2, buckets reduced as the backward fills them, the all-gather waited
   for by each module in the next forward (``parallel.overlap_param_gather``);
 - ``zero3``: ZeRO 3, each module's buckets gathered before its forward and backward,
@@ -108,7 +110,7 @@ def _ours(case: str, steps: int, bucket_mb: float) -> dict:
     model = _model()
     rank = dist.get_rank()
     topo = Topology.single() if case == "compute" else Topology(1, 1, 2)
-    stage = {"compute": 0, "zero2-off": 2, "zero2-on": 2, "zero3": 3}[case]
+    stage = {"compute": 0, "zero2-off": 1, "zero2-on": 2, "zero3": 3}[case]
     opt = ZeroOptimizer(model.parameters(), train, topo, stage=stage, bucket_mb=bucket_mb, model=model,
                         overlap_param_gather=case != "zero2-off")
     parts = {"fwd": 0.0, "bwd": 0.0, "update": 0.0}
