@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.planner.spec import ADAM_BYTES, PRECISION, LoraSpec, Layout, rank_chunks
+from parallel3d.planner.spec import ADAM_BYTES, PRECISION, LoraSpec, Layout, kv_width, rank_chunks
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -34,8 +34,6 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 def projection_shapes(model, tp: int) -> dict[str, tuple[int, int]]:
     """(in, out) of each projection, unsplit; k and v have max(1, kv / tp) heads a rank
     (kv-heads replicated past their number), written as tp times that."""
-    from parallel3d.planner.memory import kv_width
-
     d, f, q = model.dim, model.ffn_dim, model.n_heads * model.head_dim
     kv = kv_width(model, tp) * tp
     return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),

@@ -103,7 +103,7 @@ from parallel3d.planner.experts import (a2a_transient_bytes, expert_params, moe_
                                        moe_selective_bytes, moe_token_bytes, sparse_layers_of)
 from parallel3d.planner.moments import (backward_moments, head_stash_bytes, in_flight,  # noqa: F401 - this module's API
                                        layer_stash_bytes, peak_moments)
-from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, layer_split, rank_chunks
+from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, kv_width, layer_split, rank_chunks
 
 BUCKET_BYTES = 25 * 2**20  # gradient buckets (parallel.bucket_mb)
 FLUSH_BYTES = 16 * 2**20  # a W's weight gradients handed to autograd together (kernels/deferred.py)
@@ -197,12 +197,6 @@ def layer_activation_bytes(model, tokens: int, layout: Layout, act: int, recompu
     else:
         full = 4 * layer_in + act * (2 * q + 2 * kv + 3 * f) // tp
     return tokens * (full + small + cp_attention_extra(model, layout, act))
-
-
-def kv_width(model, tp: int) -> int:
-    """K (or V) elements per token on one tensor-parallel rank: its kv-heads, at least one
-    (kv-heads are replicated when tp exceeds their number)."""
-    return max(1, model.n_kv_heads // tp) * model.head_dim
 
 
 def cp_attention_extra(model, layout: Layout, act: int) -> int:

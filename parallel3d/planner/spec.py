@@ -157,6 +157,12 @@ class Layout:
                    overlap_param_gather=getattr(par, "overlap_param_gather", True), bucket_mb=par.bucket_mb)
 
 
+def kv_width(model, tp: int) -> int:
+    """K (or V) elements per token on one tensor-parallel rank: its kv-heads, at least one
+    (kv-heads are replicated when tp exceeds their number)."""
+    return max(1, model.n_kv_heads // tp) * model.head_dim
+
+
 def layer_split(model, pp: int, virtual_stages: int, pp_layers: list[int] | None = None,
                 schedule: str = "1f1b") -> list[int]:
     """Layers per global pipeline chunk: the pipeline's own rule
