@@ -46,6 +46,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from throttle import HOST_SHARES, can_throttle, cpu_quota, join, throttled_seconds  # noqa: E402
 
+# 8 micro-batches of 2 (a 1F1B step is m - 1 rounds of the slowest stage and one pass
+# through both: with 4, the pass that rebalancing does not shorten is a larger share; with
+# micro-batches of 1 the stages were less compute-bound and the quota bound less);
 # compute-bound stages (about 45 ms per micro-batch on a stage of one core): a rank that
 # waits most of its step would hardly feel a quota. 12 layers: at half speed the whole-layer
 # split [8, 4] nearly balances the stages (8 layers had only [5, 3]: 17% predicted)
@@ -56,7 +59,7 @@ MODEL = {"preset": "debug", "vocab_size": 512, "n_layers": 12, "dim": 128, "n_he
 def job(run_dir: Path, steps: int, act: bool, pp: int = 2) -> list[str]:
     sections = {
         "model": MODEL,
-        "train": {"steps": steps, "seed": 7, "global_batch": 8, "micro_batch": 2, "seq_len": 128, "lr": 3e-3,
+        "train": {"steps": steps, "seed": 7, "global_batch": 16, "micro_batch": 2, "seq_len": 128, "lr": 3e-3,
                   "warmup_steps": 5, "grad_clip": 1.0, "log_interval": 10, "autopilot": pp > 1},
         "parallel": {"tp": 1, "pp": pp, "dp": 1, "schedule": "1f1b"},
         "data": {"max_bytes": 1_000_000, "vocab_size": 512},
@@ -176,7 +179,7 @@ def summarize(r: int, acting: dict, idle: dict, reference: list[float], steady_f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--steady-from", type=int, default=41, help="after the decision (20) and its check (40)")
     parser.add_argument("--out", default=None, help="keep the runs here (default: a temporary folder)")
     args = parser.parse_args()
