@@ -9,16 +9,19 @@ at 1.0. A parallel3d step is ``Trainer.train_step()`` (forward, backward, gradie
 reduction, clip, update; its data prefetched in the background); a peft step is forward,
 ``F.cross_entropy``, backward, ``clip_grad_norm_``, ``AdamW.step``, ``zero_grad``. The
 sides alternate step by step (a loaded machine slows both alike); the first ``--warmup``
-steps of each are left out; printed: each side's median step time, their ratio, and the
-largest difference of the per-step losses (the two compute the same function: a check
-that both do the same work).
+steps of each are left out; printed: each side's median step time and quartiles, their
+ratio, the ratio in each of ``--rounds`` consecutive rounds of the measured steps (their
+median and range: the spread a loaded machine gives), the load average before and after,
+and the largest difference of the per-step losses (the two compute the same function: a
+check that both do the same work).
 
-    python benchmarks/bench_lora_vs_peft.py [--steps 30] [--rank 16] [--targets all]
+    python benchmarks/bench_lora_vs_peft.py [--steps 30] [--rounds 5] [--rank 16] [--targets all]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -82,6 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5, help="rounds the measured steps are cut into")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--seq", type=int, default=256)
@@ -89,6 +93,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--targets", default="all", help="'all' or a comma-separated list")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     cfg, trainer, tuned, params, opt = build(args)
     batches = GlobalBatches(cfg)
     times = {"parallel3d": [], "peft": []}
@@ -107,9 +112,21 @@ def main() -> None:
     print(f"LoRA rank {args.rank} on {args.targets}: {trainable:,} adapter parameters; "
           f"{args.layers} layers x dim {args.dim}, batch {args.batch} x {args.seq} tokens, fp32, "
           f"{torch.get_num_threads()} threads")
-    for k in times:
-        print(f"  {k:<11} median step {med[k] * 1e3:8.1f} ms  (steps {args.warmup + 1}-{args.steps})")
+    for k, v in times.items():
+        q1, _, q3 = statistics.quantiles(v[args.warmup:], n=4)
+        print(f"  {k:<11} median step {med[k] * 1e3:8.1f} ms, quartiles {q1 * 1e3:.1f}-{q3 * 1e3:.1f} ms "
+              f"(steps {args.warmup + 1}-{args.steps})")
     print(f"  parallel3d / peft: {med['parallel3d'] / med['peft']:.3f}x")
+    measured = args.steps - args.warmup
+    size = max(1, measured // args.rounds)
+    ratios = []
+    for start in range(args.warmup, args.steps - size + 1, size):
+        ours, theirs = (statistics.median(times[k][start:start + size]) for k in ("parallel3d", "peft"))
+        ratios.append(ours / theirs)
+    print(f"  per round of {size} steps: {' '.join(f'{r:.3f}' for r in ratios)}; median "
+          f"{statistics.median(ratios):.3f}x, range {min(ratios):.3f}-{max(ratios):.3f}x")
+    print(f"  load average (1, 5, 15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
+          f"after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses["parallel3d"], losses["peft"]))
     print(f"  per-step losses: largest relative difference {diff:.2e}")
 
