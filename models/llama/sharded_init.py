@@ -52,13 +52,15 @@ def init_parameter_(p: torch.Tensor, name: str, cfg: LlamaConfig, seed: int) -> 
 
 
 @torch.no_grad()
-def init_llama_(model: Llama, seed: int) -> Llama:
+def init_llama_(model: Llama, seed: int, only: list | None = None) -> Llama:
     """Initialise every parameter ``model`` holds (a Llama, or a pipeline stage's chunks
     of one), whole or a tensor-parallel shard (read from the ``p3d_tp_*`` attributes),
-    in place."""
+    in place; ``only``: just these parameters (ZeRO 3 fills one bucket at a time)."""
     cfg = model.cfg if isinstance(model, Llama) else model.pipeline_chunks[0].cfg
+    wanted = None if only is None else {id(p) for p in only}
     for name, p in model.named_parameters():
-        init_parameter_(p, name, cfg, seed)
+        if wanted is None or id(p) in wanted:
+            init_parameter_(p, name, cfg, seed)
     for name, b in model.named_buffers():
         if name.endswith(".expert_bias"):  # MoE selection biases start at 0 (materialize_ leaves them empty)
             b.zero_()

@@ -170,9 +170,11 @@ class Checkpointer:
         return self._source_to_resume() is not None or bool(self.job.model.hf_checkpoint)
 
     @torch.no_grad()
-    def load_weights(self, model: torch.nn.Module) -> str | None:
+    def load_weights(self, model: torch.nn.Module, fill=None) -> str | None:
         """Fill ``model``'s parameters from the checkpoint to resume, or from
-        ``model.hf_checkpoint``; returns where they came from (None: seeded init kept)."""
+        ``model.hf_checkpoint``; returns where they came from (None: seeded init kept).
+        ``fill(load)``: calls ``load(params)`` for groups of parameters (ZeRO 3: one bucket
+        at a time, :meth:`ZeroOptimizer.fill_params`) or once with None (all of them)."""
         found = self._source_to_resume()  # every rank alike: nothing writes before training starts
         placements = self._placements(model)
         if found is not None:
@@ -195,14 +197,18 @@ class Checkpointer:
             return None
         adapters = [p for p in model.parameters() if getattr(p, "p3d_lora", False)]
         self.adapters_loaded = _adapters_in(source, [placements[id(p)] for p in adapters])
-        for p in model.parameters():
-            pl = placements[id(p)]
-            if getattr(p, "p3d_lora", False) and not self.adapters_loaded:
-                continue  # a base model: the adapters start on their own (start_adapters_)
-            name = "model/" + pl.name
-            if p.dtype == torch.float32 and source.has("master/" + pl.name):
-                name = "master/" + pl.name  # fp32 masters of a bf16 run: full precision
-            read_block(source, name, pl, p.dtype, p.device, out=p)  # this rank's slice, in place
+
+        def load(params) -> None:  # None: every parameter
+            for p in (model.parameters() if params is None else params):
+                pl = placements[id(p)]
+                if getattr(p, "p3d_lora", False) and not self.adapters_loaded:
+                    continue  # a base model: the adapters start on their own (start_adapters_)
+                name = "model/" + pl.name
+                if p.dtype == torch.float32 and source.has("master/" + pl.name):
+                    name = "master/" + pl.name  # fp32 masters of a bf16 run: full precision
+                read_block(source, name, pl, p.dtype, p.device, out=p)  # this rank's slice, in place
+
+        (fill or (lambda fn: fn(None)))(load)
         self.hf_config = source.hf_config
         if source is not found and found is not None:
             source.base.close()  # the LoRA base's files; the checkpoint stays open for the training state

@@ -103,10 +103,11 @@ class Trainer:
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
         materialize_(self.model, self.device, self.dtype)  # what the optimizer does not hold (LoRA: the frozen weights)
+        fill = getattr(self.optimizer, "fill_params", lambda fn: fn(None))  # ZeRO 3: bucket by bucket
         if not self.checkpointer.has_weights_to_load():
-            family.initialize_(self.model, cfg.train.seed)
+            fill(lambda params: family.initialize_(self.model, cfg.train.seed, only=params))
         else:
-            self.checkpointer.load_weights(self.model)
+            self.checkpointer.load_weights(self.model, fill)
         if not self.checkpointer.adapters_loaded:  # resumed: the checkpoint's adapters (and their Adam state)
             start_adapters_(self.model, cfg.lora, cfg.train.seed)  # seeded A, zero B, or a PEFT folder
         self.optimizer.take_masters()

@@ -187,8 +187,9 @@ class ZeroOptimizer(GlobalNormOptimizer):
                                only_storage=not self._materialize_rest)
             self.params = [new[id(p)] for p in self.params]
         else:
+            copy = {id(v): p.detach() for p, v in zip(self.params, views)}
+            self.fill_params(lambda vs: [v.copy_(copy[id(v)]) for v in vs], views)
             for p, view in zip(self.params, views):
-                view.copy_(p.detach())
                 p.data = view
         if self.master_is_param:
             self.master_flat = None
@@ -199,6 +200,17 @@ class ZeroOptimizer(GlobalNormOptimizer):
                                            device=state_device, pin_memory=pin)
             offsets = layout.shard_offsets()
             self.masters = [self.master_flat[o:o + b.shard_numel] for o, b in zip(offsets, layout.buckets)]
+
+    def fill_params(self, fill, params: list | None = None) -> None:
+        """``fill(ps)`` writes the start values of parameters ``ps``: at stage 3 those of
+        ``params`` (default: this optimizer's) one bucket at a time, each bucket's storage
+        dropped once its shard is taken (:meth:`ShardedParams.fill_by_bucket`); at other
+        stages one call, ``fill(params)`` (None: every parameter of the model, frozen
+        ones included)."""
+        if self.sharded is not None:
+            self.sharded.fill_by_bucket(self.params if params is None else params, fill)
+        else:
+            fill(params)
 
     @torch.no_grad()
     def take_masters(self) -> None:

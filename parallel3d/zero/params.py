@@ -73,13 +73,19 @@ class ShardedParams:
 
     def __init__(self, layout: BucketLayout, n_params: int, shard_rank: int, group, device, dtype):
         self.layout, self.group, self.shard_rank = layout, group, shard_rank
-        self.full = [torch.zeros(b.numel, dtype=dtype, device=device) for b in layout.buckets]
+        # Each bucket's full storage is created and dropped at once (never the whole model):
+        # :meth:`fill_by_bucket` fills the shards one bucket at a time.
+        self.full, self._nbytes = [], []
+        for b in layout.buckets:
+            t = torch.empty(b.numel, dtype=dtype, device=device)
+            self._nbytes.append(t.untyped_storage().nbytes())
+            t.untyped_storage().resize_(0)
+            self.full.append(t)
         self.shard_flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self.shards = [self.shard_flat[o:o + b.shard_numel]
                        for o, b in zip(layout.shard_offsets(), layout.buckets)]
-        self._nbytes = [t.untyped_storage().nbytes() for t in self.full]
         n = len(layout.buckets)
-        self.gathered = [True] * n  # allocated at start: the init or a checkpoint fills them
+        self.gathered = [False] * n
         self._work: dict[int, object] = {}
         self._forward_refs = [0] * n
         self._backward_held: set[int] = set()
@@ -89,14 +95,46 @@ class ShardedParams:
         self._first_user: dict[int, int] = {}  # bucket -> its first module (registration order)
         self.trace: list | None = None
         self.on_change = None
+        self.filled = False  # the shards hold the start values (fill_by_bucket)
 
     def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
-        """Parameter i's view of its bucket's full storage."""
-        out = []
-        for i, shape in enumerate(shapes):
-            b, seg = self.layout.location[i]
-            out.append(self.full[b][seg.start:seg.end].view(shape))
+        """Parameter i's view of its bucket's full storage (made while that storage is
+        allocated, one bucket at a time; a view outlives the storage's resizing)."""
+        out: list = [None] * len(shapes)
+        for b, members in enumerate(self._members(len(shapes))):
+            self._allocate(b)
+            for i in members:
+                seg = self.layout.location[i][1]
+                out[i] = self.full[b][seg.start:seg.end].view(shapes[i])
+            self.full[b].untyped_storage().resize_(0)
         return out
+
+    def _members(self, n_params: int) -> list[list[int]]:
+        """The parameter indices of each bucket."""
+        members: list[list[int]] = [[] for _ in self.full]
+        for i in range(n_params):
+            members[self.layout.location[i][0]].append(i)
+        return members
+
+    def _allocate(self, b: int) -> None:
+        self.full[b].untyped_storage().resize_(self._nbytes[b])
+        if self.on_change is not None:
+            self.on_change()
+
+    @torch.no_grad()
+    def fill_by_bucket(self, params: list, fill) -> None:
+        """The shards from ``fill(ps)``, which writes the values of parameters ``ps`` (the
+        seeded init, or a checkpoint's slices) into their views: one bucket's full storage
+        at a time, its shard copied out and the storage dropped (start-up holds the shards
+        and one bucket, never the whole model)."""
+        for b, members in enumerate(self._members(len(params))):
+            self._allocate(b)
+            self.gathered[b] = True
+            fill([params[i] for i in members])
+            lo, hi = self.layout.buckets[b].shard_range(self.shard_rank)
+            self.shards[b].copy_(self.full[b][lo:hi])
+            self._free(b)
+        self.filled = True
 
     # -- gather and free ------------------------------------------------------------------
     def _note(self, kind: str, b: int) -> None:
@@ -170,7 +208,10 @@ class ShardedParams:
 
     @torch.no_grad()
     def shard_from_full(self) -> None:
-        """Shards <- this rank's ranges of the full buckets (after the init or a load)."""
+        """Shards <- this rank's ranges of the full buckets (after the init or a load);
+        nothing once :meth:`fill_by_bucket` filled them."""
+        if self.filled:
+            return
         for b, bucket in enumerate(self.layout.buckets):
             lo, hi = bucket.shard_range(self.shard_rank)
             self.shards[b].copy_(self.full[b][lo:hi])
