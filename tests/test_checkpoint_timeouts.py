@@ -1,6 +1,6 @@
 """A save's waits: the checkpoint group carries the job's communication timeout, and the
 write phase its own allowance (``save.write_wait_s``), so that a rank lost during a save is
-named in seconds (torch's default for a new group is 30 minutes), while a rank that is only
+found in seconds (torch's default for a new group is 30 minutes), while a rank that is only
 slow to write is waited for even past the communication timeout."""
 
 from __future__ import annotations
@@ -21,25 +21,26 @@ from test_checkpoint_space import payload
 COMM_TIMEOUT_S = 2.0  # the group's timeout, as the checkpointer sets it from the job's
 
 
-def _save_with_a_slow_writer(root: str, write_s: float, rate: int) -> dict:
-    """Rank 1's files take ``write_s`` to write; the allowance is the comm timeout plus the
+def _save_with_a_slow_writer(root: str, write_s: float, rate: int, slow: int = 1) -> dict:
+    """Rank ``slow``'s files take ``write_s`` to write; the allowance is the comm timeout plus the
     largest rank's bytes at ``rate`` bytes/s."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=COMM_TIMEOUT_S))
-    writer = CheckpointWriter(Path(root), rank, world, group, token="run", comm_timeout_s=COMM_TIMEOUT_S)
+    writer = CheckpointWriter(Path(root), rank, world, group, token="run", comm_timeout_s=COMM_TIMEOUT_S,
+                              group_timeout_s=COMM_TIMEOUT_S)
     writer.save(payload(2, rank, world))
     real_write, real_rate = save.write_rank_files, save.SLOWEST_WRITE_BYTES_PER_S
-    done = Path(root) / "rank1-wrote"
+    done = Path(root) / "slow-rank-wrote"
     save.SLOWEST_WRITE_BYTES_PER_S = rate
 
-    def slow(folder, p):
+    def slowly(folder, p):
         time.sleep(write_s)
         out = real_write(folder, p)
         done.touch()
         return out
 
-    if rank == 1:
-        save.write_rank_files = slow
+    if rank == slow:
+        save.write_rank_files = slowly
     start = time.monotonic()
     error, wrote_before = None, None
     try:
@@ -51,18 +52,18 @@ def _save_with_a_slow_writer(root: str, write_s: float, rate: int) -> dict:
     elapsed = time.monotonic() - start
     dist.barrier()  # on the world group: the test's group may hold the failed barrier's leftovers
     dist.destroy_process_group(group)
-    return {"error": error, "rank1_had_written": wrote_before, "s": elapsed,
+    return {"error": error, "slow_rank_had_written": wrote_before, "s": elapsed,
             "latest": read_latest(Path(root)).name}
 
 
 def test_a_writer_slower_than_the_comm_timeout_is_waited_for(pools, tmp_path):
-    # ~66 KiB a rank at 8 KiB/s: ~8 s of allowance on top of 2; rank 1 writes for 5 s,
-    # more than twice the group's timeout
-    results = pools(2).run(_save_with_a_slow_writer, str(tmp_path), 5.0, 8 * 1024)
+    # ~66 KiB a rank at 8 KiB/s: ~8 s of allowance on top of 2; rank 0 (which the others'
+    # barrier sends wait for) writes for 5 s, more than twice the group's timeout
+    results = pools(2).run(_save_with_a_slow_writer, str(tmp_path), 5.0, 8 * 1024, 0)
     for res in results:
         assert res["error"] is None, res
         assert res["latest"] == "step_00000004"
-    assert results[0]["s"] > 5.0  # rank 0 did wait for rank 1's files
+    assert results[1]["s"] > 5.0  # rank 1 did wait for rank 0's files
 
 
 def test_a_writer_that_does_not_arrive_is_named_without_waiting_for_it(pools, tmp_path):
@@ -72,6 +73,6 @@ def test_a_writer_that_does_not_arrive_is_named_without_waiting_for_it(pools, tm
     first = results[0]
     assert first["error"] is not None and "did not finish writing" in first["error"], first
     assert "\n" not in first["error"]
-    assert first["rank1_had_written"] is False, "rank 0 waited for the slow rank"
+    assert first["slow_rank_had_written"] is False, "rank 0 waited for the slow rank"
     for res in results:
         assert res["latest"] == "step_00000002"

@@ -109,10 +109,10 @@ def _resume_with_a_slow_load(job: dict, slow_rank: int, slow_s: float) -> list[f
     Trainer(cfg, topo).fit(stop_at=2)
     load = Checkpointer.load_weights
 
-    def slow_load(self, model):
+    def slow_load(self, model, *rest):
         if self.topo.rank == slow_rank:
             _time.sleep(slow_s)
-        return load(self, model)
+        return load(self, model, *rest)
 
     Checkpointer.load_weights = slow_load
     try:

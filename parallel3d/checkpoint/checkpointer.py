@@ -30,7 +30,7 @@ from .errors import CheckpointError
 from .format import check_same_model, model_identity
 from .optim_state import load_optimizer, optimizer_slots, sharded_model_slots
 from .reader import CheckpointReader, find_checkpoint
-from .save import CheckpointWriter, RankPayload, snapshot
+from .save import CheckpointWriter, RankPayload, patient, snapshot
 from .state import Slot, param_placements, read_block, rng_state, set_rng_state
 
 
@@ -92,7 +92,8 @@ class Checkpointer:
         self.writer = CheckpointWriter(self.root, topo.rank, topo.world_size, self.group,
                                        keep=c.keep, token=self._agree(secrets.token_hex(4)),
                                        async_save=c.async_save,
-                                       comm_timeout_s=cfg.reliability.comm_timeout_s)
+                                       comm_timeout_s=cfg.reliability.comm_timeout_s,
+                                       group_timeout_s=topo.timeout_s)
         self.reader: CheckpointReader | None = None
         self.resumed_from: Path | None = None
         self.hf_config: dict | None = None  # carried into checkpoints, for the export
@@ -116,10 +117,12 @@ class Checkpointer:
         this, a rank that loaded faster waits for the slowest inside that collective and
         fails (gloo), or its watchdog, armed by the first step, counts the wait (NCCL).
         The barrier runs on the checkpointer's own gloo group with a limit of its own,
-        :data:`LOAD_WAIT_S`; ``monitored_barrier`` names the rank that did not arrive."""
+        :data:`LOAD_WAIT_S` (the group's timeout raised for it: a ``monitored_barrier``'s own
+        limit does not cover its peers' sends, so a slow rank 0 failed it)."""
         if self.group is None:
             return
-        dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=LOAD_WAIT_S))
+        with patient(self.group, LOAD_WAIT_S, self.topo.timeout_s):
+            dist.barrier(group=self.group)
 
     def _resume_source(self):
         """The checkpoint to resume as a source: a parallel3d checkpoint, or another
@@ -180,7 +183,8 @@ class Checkpointer:
         if found is not None:
             self.reader = found
             if isinstance(found, CheckpointReader):  # each file hashed once in the world, agreed
-                found.verify_shared(self.topo.rank, self.topo.world_size, self.group)
+                with patient(self.group, LOAD_WAIT_S, self.topo.timeout_s):  # hashing is not a hang
+                    found.verify_shared(self.topo.rank, self.topo.world_size, self.group)
             saved = found.index.model if isinstance(found, CheckpointReader) else model_identity(found.model_config)
             check_same_model(saved, model_identity(self.model_cfg), found.folder)
             from .peft import with_lora_base

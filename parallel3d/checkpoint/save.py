@@ -34,12 +34,14 @@ import json
 import os
 import shutil
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from .errors import CheckpointError
 from .format import LATEST, Index, Piece, TensorEntry
@@ -110,6 +112,22 @@ def rank_file_sizes(payload: RankPayload) -> list[int]:
 # timeout, before a missing rank is named. A faster filesystem loses nothing by it; a rank
 # lost mid-save is named after this wait instead of the process group's 30-minute default.
 SLOWEST_WRITE_BYTES_PER_S = 20 * 2**20
+
+
+@contextmanager
+def patient(group, seconds: float, restore_s: float | None):
+    """``group``'s timeout is ``seconds`` inside (a wait that is not communication: a slow
+    rank's writes or reads), ``restore_s`` again after (None: torch's default). The
+    timeout binds every operation, the send a peer posts too, so a per-call limit alone
+    (``monitored_barrier``'s) does not lift it."""
+    if group is None:
+        yield
+        return
+    group.set_timeout(timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        group.set_timeout(timedelta(seconds=restore_s) if restore_s else default_pg_timeout)
 
 
 def write_wait_s(comm_timeout_s: float, largest_rank_bytes: int) -> float:
@@ -214,10 +232,11 @@ class CheckpointWriter:
     ``keep``: how many complete checkpoints to keep (0: all)."""
 
     def __init__(self, root: Path, rank: int, world_size: int, group=None, keep: int = 0,
-                 token: str = "0", async_save: bool = False, comm_timeout_s: float = 300.0):
+                 token: str = "0", async_save: bool = False, comm_timeout_s: float = 300.0,
+                 group_timeout_s: float | None = None):
         self.root, self.rank, self.world_size, self.group = Path(root), rank, world_size, group
         self.keep, self.token, self.async_save = keep, token, async_save
-        self.comm_timeout_s = comm_timeout_s
+        self.comm_timeout_s, self.group_timeout_s = comm_timeout_s, group_timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._copied = threading.Event()  # the background save's host copy is done
@@ -365,12 +384,13 @@ class CheckpointWriter:
         if self.group is None or self.world_size == 1 or wait_s is None:
             return
         try:
-            dist.monitored_barrier(group=self.group, timeout=timedelta(seconds=wait_s))
+            with patient(self.group, wait_s, self.group_timeout_s):
+                dist.barrier(group=self.group)
         except RuntimeError as e:
             raise CheckpointError(f"checkpoint step {step} in {self.root}: a rank did not finish "
                                   f"writing within {wait_s:.0f} s (lost, or its filesystem "
                                   f"slower than {SLOWEST_WRITE_BYTES_PER_S >> 20} MiB/s): "
-                                  f"{str(e).splitlines()[0]}") from e
+                                  f"{str(e).splitlines()[0][:200]}") from e
 
     # -- collectives over the writer's own group --------------------------------------------------
     def _gather(self, obj) -> list:
