@@ -33,7 +33,7 @@ from parallel3d.planner.fitted import fit_terms, stage_work_s
 from parallel3d.planner.hardware import RUNTIME_RESERVE_BYTES
 from parallel3d.planner.search import valid_layouts
 from parallel3d.planner.spec import Layout, Workload
-from parallel3d.train.rebalance import rebalance_to
+from parallel3d.train.rebalance import _share, rebalance_to
 from parallel3d.train.regroup import move
 from parallel3d.train.setup import check_job
 
@@ -57,16 +57,6 @@ def memory_budget(cfg, device: torch.device, local_ranks: int) -> int:
     with open("/proc/meminfo") as f:
         total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
     return max(0, total // max(1, local_ranks) - RUNTIME_RESERVE_BYTES)
-
-
-def _share(trainer, value):
-    """Rank 0's ``value`` on every rank (over the checkpointer's gloo group)."""
-    group = trainer.checkpointer.group
-    if group is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 class Pilot:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import statistics
 
+import torch.distributed as dist
+
 from parallel3d.autopilot.balance import decide_rebalance, stage_busy
 from parallel3d.models.llama.parallelize import stage_costs
 from parallel3d.planner.spec import Layout, layer_split
@@ -28,9 +30,13 @@ from parallel3d.train.regroup import move
 
 
 def _share(trainer, value):
-    from parallel3d.train.pilot import _share as share  # pilot imports this module
-
-    return share(trainer, value)
+    """Rank 0's ``value`` on every rank (over the checkpointer's gloo group); the pilot's too."""
+    group = trainer.checkpointer.group
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def can_rebalance(cfg) -> str:
