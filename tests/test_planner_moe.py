@@ -354,7 +354,19 @@ def test_the_planner_predicts_a_measured_moe_training_step(world, parallel, corp
                    model={"preset": "debug", "vocab_size": 2048, "n_layers": 4, "dim": 128, "n_heads": 4,
                           "n_kv_heads": 2, "ffn_dim": 352, "moe": moe},
                    train={"steps": 2, "seq_len": 128, "micro_batch": 4, "global_batch": 8 * world})
-    measured = max(pools(world).run(_measured_step_peak, job)) if world > 1 else _measured_step_peak(job)
+    if world > 1:
+        # fresh spawned ranks: in full suite runs the module's forkserver ranks measured
+        # 52.9-53.3 MB where fresh ones measure ~51 (not yet explained; the test is about
+        # the planner's model, not the long-lived workers' state)
+        from parallel3d.testing import ProcessGroupPool
+
+        pool = ProcessGroupPool(world, start_method="spawn")
+        try:
+            measured = max(pool.run(_measured_step_peak, job))
+        finally:
+            pool.close()
+    else:
+        measured = _measured_step_peak(job)
     cfg = config_from_dict(job)
     work = Workload(resolve_model_config(cfg.model), 128, cfg.train.global_batch, "fp32")
     predicted = memory_per_stage(work, Layout.from_config(cfg), gloo=True)[0].training_peak
