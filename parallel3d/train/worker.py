@@ -55,6 +55,7 @@ def run_training(cfg: JobConfig) -> list[dict]:
     def make_trainer(job: JobConfig, grid: Topology) -> Trainer:
         return Trainer(job, grid, device, watch=watch)
 
+    group_sound = False  # the group is torn down only after an orderly end (see below)
     try:
         with comm_failures_reported(watch, passthrough=(UserError, TrainingStopped)):
             trainer, build_s = timed_trainer(lambda: make_trainer(cfg, topo))
@@ -64,10 +65,17 @@ def run_training(cfg: JobConfig) -> list[dict]:
                 history = fit_with_autopilot(trainer, make_trainer, build_s)
             else:
                 history = trainer.fit()
+        group_sound = True
+    except (UserError, TrainingStopped):
+        group_sound = True  # every rank reaches the same verdict: nothing is left in flight
+        raise
     finally:
         watch.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        # A gloo group left to the interpreter's exit can abort the process (its worker
+        # threads outlive the interpreter: SIGABRT, exit 4 instead of 2); a failed
+        # collective's group is left alone (run_worker exits at once).
+        if group_sound and dist.is_initialized():
+            dist.destroy_process_group()
     return history
 
 
