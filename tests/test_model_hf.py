@@ -90,3 +90,25 @@ def test_presets_have_the_published_sizes(preset, billions):
     with torch.device("meta"):
         model = Llama(config_from_preset(preset))
     assert sum(p.numel() for p in model.parameters()) == n
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_swiglu_backward_equals_autograd_of_the_plain_expression(dtype):
+    """The MLP's own backward (silu recomputed, aten's fused silu_backward) against
+    autograd through ``silu(gate) * up``. fp64: equal to rounding (1e-12); bf16: both
+    round each element-wise result to bf16 at different points, so they may differ by a
+    few bf16 ulps of the gradient's scale (2**-8 relative per rounding, 3 roundings)."""
+    from parallel3d.models.llama.model import _SwiGLUFn
+
+    torch.manual_seed(0)
+    gate = (torch.randn(4, 33, 40, dtype=torch.float64) * 3).to(dtype)
+    up, dy = torch.randn_like(gate), torch.randn_like(gate)
+    grads = []
+    for fn in (_SwiGLUFn.apply, lambda g, u: torch.nn.functional.silu(g) * u):
+        g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+        fn(g, u).backward(dy)
+        grads.append((g.grad.double(), u.grad.double()))
+    tol = 1e-12 if dtype == torch.float64 else 3 * 2.0 ** -8
+    for ours, ref in zip(*grads):
+        scale = ref.abs().max().item()
+        assert (ours - ref).abs().max().item() <= tol * scale, (ours - ref).abs().max().item() / scale
