@@ -7,8 +7,9 @@ if __name__ != "parallel3d.models":  # the checkout's root on sys.path: not our 
 
 
 # A model family is a folder here with a ``family.py`` (build_meta, initialize_,
-# apply_recompute, activation_shape, tensor_parallel_problems, CONFIG), chosen by the
-# config's ``model.family``: the trainer names no family.
+# apply_recompute, activation_shape, tensor_parallel_problems, stage_costs, CONFIG), chosen by the
+# config's ``model.family``: the trainer names no family. ``stage_costs``: the embedding's
+# and the head's cost in decoder layers (the pipeline split and the autopilot's rebalance).
 FAMILIES = ("llama",)
 
 

@@ -6,7 +6,7 @@ families (Qwen2/3-MoE, Mixtral, OLMoE: ``LlamaConfig.moe``) are all this family.
 from __future__ import annotations
 
 from .model import LlamaConfig
-from .parallelize import activation_shape, apply_recompute, tensor_parallel_problems
+from .parallelize import activation_shape, apply_recompute, stage_costs, tensor_parallel_problems
 from .sharded_init import build_meta_llama as build_meta
 from .sharded_init import init_llama_ as initialize_
 
@@ -14,4 +14,4 @@ NAME = "llama"
 CONFIG = LlamaConfig
 
 __all__ = ["CONFIG", "NAME", "activation_shape", "apply_recompute", "build_meta", "initialize_",
-           "tensor_parallel_problems"]
+           "stage_costs", "tensor_parallel_problems"]

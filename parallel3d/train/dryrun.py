@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 from parallel3d.config import JobConfig
 from parallel3d.launch import job_nodes
 from parallel3d.lora.apply import apply_lora
-from parallel3d.models.llama.sharded_init import build_meta_llama
+from parallel3d.models import model_family
 from parallel3d.planner.hardware import FRAGMENTATION, GPU, memory_terms, usable_bytes
 from parallel3d.planner.lora import lora_states
 from parallel3d.planner.memory import StageMemory, memory_per_stage
@@ -138,14 +138,14 @@ def shapes_only():
 
 
 def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_rank: int = 0):
-    """This rank's model as training builds it (``build_meta_llama``: its pipeline chunks,
+    """This rank's model as training builds it (its family's ``build_meta``: its pipeline chunks,
     tensor-parallel shards and, at dp rank 0, ep rank 0's experts), on the meta device."""
     par = cfg.parallel
     grid = RankGrid(tp=par.tp, pp=par.pp, dp=par.dp, cp=par.cp, ep=par.ep)
     topo = Topology.of(par, rank=grid.rank_of(tp_rank, pp_rank, 0), world_size=world_size,
                        create_groups=False)
     with shapes_only():
-        module, _ = build_meta_llama(model_cfg, topo, par)
+        module, _ = model_family(cfg.model.family).build_meta(model_cfg, topo, par)
         apply_lora(module, cfg, topo)  # [lora]: the adapters, every other weight frozen (rank 0: no change)
     return module
 

@@ -24,7 +24,7 @@ import statistics
 import torch.distributed as dist
 
 from parallel3d.autopilot.balance import decide_rebalance, stage_busy
-from parallel3d.models.llama.parallelize import stage_costs
+from parallel3d.models import model_family
 from parallel3d.planner.spec import Layout, layer_split
 from parallel3d.train.regroup import move
 
@@ -65,7 +65,7 @@ def _decide(trainer, window: list[dict], tables: list[dict], switch_cost_s: floa
     if not tables or not window:
         return None
     split = layer_split(trainer.model_cfg, par.pp, 1, par.pp_layers, par.schedule)
-    embed, head = stage_costs(trainer.model_cfg)
+    embed, head = model_family(cfg.model.family).stage_costs(trainer.model_cfg)
     decision = decide_rebalance(
         stage_busy(tables, par.pp), split, embed_cost=embed, head_cost=head,
         microbatches=cfg.train.global_batch // (cfg.train.micro_batch * par.dp),
