@@ -371,7 +371,9 @@ def test_the_planner_predicts_a_measured_moe_training_step(world, parallel, corp
     work = Workload(resolve_model_config(cfg.model), 128, cfg.train.global_batch, "fp32")
     predicted = memory_per_stage(work, Layout.from_config(cfg), gloo=True)[0].training_peak
     # ep 1: within 5%. ep 2: the model leaves out ~2 MB (4%) of a sparse layer's backward
-    # buffers (not itemised, commit cd6fb3e) and the measured peak itself ranged 51.2-53.3
-    # MB between runs (alone vs in full suites, 4%): within 10% there
+    # buffers (not itemised, commit cd6fb3e) and the measured peak itself ranges 49.9-53.3
+    # MB between runs of the same code (49.9 alone, alone under 2 busy loops too, 50.4 in
+    # its module, 51.2-53.3 in full suites: not load, likely when gloo's threads let go of
+    # finished collectives' buffers; 7%): within 10% there
     bar = 0.05 if parallel.get("ep", 1) == 1 else 0.10
     assert predicted / measured == pytest.approx(1.0, abs=bar), (predicted, measured)
