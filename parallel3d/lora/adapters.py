@@ -65,7 +65,7 @@ def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
     y = base_forward(x)  # (B, S, out/p)
     h = layer.lora_A(x)  # (B, S, r), the same on every rank
     h = copy_to_tp_region(h, layer.group)  # backward: dH summed over the ranks' output rows
-    return y + layer.lora_B(h) * layer.lora_scaling  # (B, S, out/p)
+    return y + layer.lora_B(h * layer.lora_scaling)  # (B, S, out/p); scaled at rank r (see _plain_forward)
 
 
 def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
@@ -73,11 +73,13 @@ def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
     h = layer.lora_A(x)  # (B, S, r), partial sum
     # h is ours, reduced in place, unless selective recomputation keeps the GEMM outputs
     h = reduce_from_tp_region(h, layer.group, inplace=layer.reduce_in_place)
-    return y + layer.lora_B(h) * layer.lora_scaling  # (B, S, out)
+    return y + layer.lora_B(h * layer.lora_scaling)  # (B, S, out)
 
 
 def _plain_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
-    return base_forward(x) + layer.lora_B(layer.lora_A(x)) * layer.lora_scaling
+    # The scaling multiplies the (B, S, r) factor, not the (B, S, out) product as PEFT
+    # does: the same function (to rounding), one output-sized pass fewer each way.
+    return base_forward(x) + layer.lora_B(layer.lora_A(x) * layer.lora_scaling)
 
 
 def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int) -> None:
