@@ -133,7 +133,10 @@ def _lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _check(run_dir: Path, job: dict, losses: list[float]) -> list[dict]:
+def _check(run_dir: Path, job: dict, losses: list[float], move_steps=(10,)) -> list[dict]:
+    """``move_steps``: the decisions at which the move may come (the first, step 10, for
+    layers slowed by sleeping; a CPU quota's slowdown is read through the machine's load,
+    which a busy machine can blur past min_gain at the first decision: then the second)."""
     lines = _lines(run_dir)
     steps = [r for r in lines if "event" not in r]
     events = [r for r in lines if r.get("event") == "autopilot"]
@@ -141,19 +144,22 @@ def _check(run_dir: Path, job: dict, losses: list[float]) -> list[dict]:
     named = [r["step"] for r in steps for s in r.get("stragglers", []) if s["rank"] == 1]
     assert named and named[0] <= 20, named
     moves = [e for e in events if e["action"] == "rebalance"]
-    assert len(moves) == 1 and moves[0]["step"] == 10 and moves[0]["slow_stage"] == 1, events
+    assert len(moves) == 1 and moves[0]["step"] in move_steps and moves[0]["slow_stage"] == 1, events
+    moved = moves[0]["step"]
     assert moves[0]["split"] == [2, 2] and moves[0]["target_split"] == [3, 1], moves[0]
-    # checked, then judged again on the same per-layer speeds: it stays (no flapping)
-    after = [e["action"] for e in events if e["step"] > 10 and not e["action"].endswith("done")]
-    assert after == ["confirmed", "stay"], events
+    assert all(e["action"] == "stay" for e in events if e["step"] < moved), events
+    # checked, then judged again on the same per-layer speeds: it stays (no flapping); a
+    # decision every 10 steps of 34
+    after = [e["action"] for e in events if e["step"] > moved and not e["action"].endswith("done")]
+    assert after == ["confirmed", "stay"][: (STEPS - moved) // 10], events
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     # `parallel3d report` says it, and draws the move
     from parallel3d.observe.report import autopilot_lines, moves as drawn
 
     assert any("rebalance: stage 1" in line and "pp_layers [2, 2] -> [3, 1]" in line
                for line in autopilot_lines(events)), autopilot_lines(events)
-    assert drawn(events) == [(10, "pp_layers [3, 1]")]
-    index = json.loads((run_dir / "checkpoints" / "step_00000010" / "index.json").read_text())
+    assert drawn(events) == [(moved, "pp_layers [3, 1]")]
+    index = json.loads((run_dir / "checkpoints" / f"step_{moved:08d}" / "index.json").read_text())
     assert index["layout"]["pp"] == 2
     # fp32: another split adds the same products in another order; 1e-5 is the parity bar
     assert relative_diff(losses, _reference(job)) < 1e-5
@@ -176,4 +182,4 @@ def test_a_stage_throttled_to_half_a_core_is_named_and_rebalanced(pools, corpus_
         losses = pools(2).run(_run, job, 0.0, [str(host0), str(host1)], timeout=600)[0]
         held_back = throttled_seconds(host1)
     assert held_back > 0  # the quota bound
-    _check(tmp_path / "run", job, losses)
+    _check(tmp_path / "run", job, losses, move_steps=(10, 20))
