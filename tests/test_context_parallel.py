@@ -332,6 +332,26 @@ def test_a_plain_window_needs_no_document_work(pools):
     assert pools(2).run(_plain_window_documents) == [(True, True, True)] * 2
 
 
+def test_the_document_blocks_are_decided_from_the_loaders_host_copy():
+    """A micro-batch moved off the CPU keeps its positions' host copy, and the hook
+    decides the document blocks from it, never reading the device tensor (on a GPU that
+    read waits for the device in every forward). The meta device stands in for the GPU:
+    its tensors have no values, so reading one fails; the bounds equal the CPU ones."""
+    from parallel3d.data.batch import MicroBatch
+
+    cp, r = 2, 1
+    positions = shard_sequence(_packed_positions(32), cp, r, dim=1)  # (B, 16), packed
+    mb = MicroBatch(positions.clone(), positions.clone(), positions).to("meta")
+    assert mb.positions.device.type == "meta" and mb.positions.p3d_host is positions
+    hook = object.__new__(ContextParallelAttention)  # the hook without a process group
+    hook.cp, hook.cp_rank, hook._docs = cp, r, (None, -1, None)
+    docs = hook._documents(mb.positions)
+    assert docs.starts.device.type == "meta"  # the masks are still built on the device
+    assert docs.bounds == DocumentStarts(document_keys(positions, cp, r)).bounds
+    with pytest.raises((RuntimeError, NotImplementedError)):  # what the host copy avoids
+        DocumentStarts(document_keys(mb.positions, cp, r))
+
+
 def test_merge_equals_the_log_sum_exp_formula():
     """The in-place merge (lerp by sigmoid weights) against ``O = O_1 e^(lse_1 - lse) +
     O_2 e^(lse_2 - lse)``, with rows that have no key on one side or on both (0 / -inf

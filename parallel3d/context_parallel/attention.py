@@ -103,7 +103,9 @@ class ContextParallelAttention:
     def _documents(self, positions: torch.Tensor) -> DocumentStarts | None:
         seen, version, docs = self._docs
         if seen is not positions or version != positions._version:
-            docs = DocumentStarts.of(document_keys(positions, self.cp, self.cp_rank))  # (B, S_l) starts
+            host = getattr(positions, "p3d_host", None)  # the loader's CPU copy (MicroBatch.to)
+            docs = DocumentStarts.of(document_keys(positions, self.cp, self.cp_rank),  # (B, S_l) starts
+                                     host=None if host is None else document_keys(host, self.cp, self.cp_rank))
             self._docs = (positions, positions._version, docs)
         return docs
 

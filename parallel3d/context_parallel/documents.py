@@ -19,8 +19,10 @@ and largest start ``s_lo``, ``s_hi``:
   skipped;
 - else the (B, 1, cq, ck) mask ``k_pos >= s``.
 
-Each query chunk's ``s_lo``, ``s_hi`` are read to the host once per forward (one small
-transfer; the block decisions are Python branches). A query sees itself, so no row of
+Each query chunk's ``s_lo``, ``s_hi`` are computed on the host once per forward (the
+block decisions are Python branches): from the loader's host copy of the positions when
+it passed one (``MicroBatch.to``: ``positions.p3d_host``), so a GPU forward never waits
+for the device to read them; else read from the device tensor (one small transfer). A query sees itself, so no row of
 the whole attention is left without a visible key.
 """
 
@@ -34,22 +36,23 @@ SKIP = "skip"  # a block fully masked by the documents: not computed
 class DocumentStarts:
     """The document start (global position) of each local query, (B, S_l), cut into the
     ``n`` local chunks of ``c = S_l / n`` tokens, with each chunk's least and greatest
-    start on the host."""
+    start on the host (from ``host``, the same starts on the CPU, when given)."""
 
-    def __init__(self, starts: torch.Tensor, n_chunks: int = 2):
+    def __init__(self, starts: torch.Tensor, n_chunks: int = 2, host: torch.Tensor | None = None):
         self.starts = starts
         self.c = starts.shape[-1] // n_chunks
-        pieces = starts.reshape(starts.shape[0], n_chunks, self.c)  # (B, n, c)
+        src = starts if host is None else host
+        pieces = src.reshape(src.shape[0], n_chunks, self.c)  # (B, n, c)
         self.bounds = torch.stack([pieces.amin((0, 2)), pieces.amax((0, 2))], 1).tolist()  # n x [lo, hi]
 
     @classmethod
-    def of(cls, starts, n_chunks: int = 2) -> "DocumentStarts | None":
+    def of(cls, starts, n_chunks: int = 2, host: torch.Tensor | None = None) -> "DocumentStarts | None":
         """``starts`` prepared (a tensor, or already a :class:`DocumentStarts`); None when
         there are none or every start is 0 (one document from the window's start: the
-        causal mask says it all)."""
+        causal mask says it all). ``host``: the same starts on the CPU, if at hand."""
         if starts is None or isinstance(starts, DocumentStarts):
             return starts
-        docs = cls(starts, n_chunks)
+        docs = cls(starts, n_chunks, host)
         return None if max(hi for _, hi in docs.bounds) == 0 else docs
 
     def block(self, q_units: tuple[int, int], key_chunks):

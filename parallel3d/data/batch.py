@@ -49,7 +49,13 @@ class MicroBatch:
                           keep(self.cu_seqlens), self.max_doc_len, keep(self.sources))
 
     def to(self, device, non_blocking: bool = False) -> "MicroBatch":
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        """On ``device``; off the CPU the positions keep their host copy as
+        ``positions.p3d_host``: what is decided from them in Python (context parallelism's
+        document blocks) reads it, not the device (no wait for the device in a forward)."""
+        out = self._map(lambda t: t.to(device, non_blocking=non_blocking))
+        if self.positions is not None and out.positions.device.type != "cpu":
+            out.positions.p3d_host = self.positions
+        return out
 
     def pin_memory(self) -> "MicroBatch":
         return self._map(lambda t: t.pin_memory())
