@@ -34,7 +34,14 @@ so ``bound = max(ag, fwd) + max(rs, bwd) + update`` (from ``comm``'s and ``compu
 parts of the same round) is the best a step with the overlap can take; printed beside
 max(compute, comm).
 
-    sudo python benchmarks/bench_dp_overlap.py [--rate-mbit 200] [--steps 6] [--rounds 5] [--pin]
+    sudo python benchmarks/bench_dp_overlap.py [--rate-mbit 200] [--steps 6] [--rounds 5] [--seq 128] [--pin]
+
+``--seq`` sets the tokens of each of a rank's 4 sequences: the compute grows with it, the
+bytes on the link do not (the gradients are the model's), so it sets comm / compute at a
+given rate. On this CPU the link's bytes cost CPU too (the kernel's TCP work through veth,
+bridge and tbf, gloo's threads): a rank's CPU seconds per step, ``cpu``, bound the step
+from below on a rank's one core; ``zero2-on``'s CPU per step over max(compute, comm) is
+printed beside the schedule's bound.
 
 Needs root (namespaces, tc). ``--pin`` runs host i's process on CPU i only (``taskset``),
 closer to two machines than two processes the scheduler moves between the same cores.
@@ -182,6 +189,8 @@ def _fsdp2(case: str, steps: int) -> dict:
 
 
 def worker(args) -> None:
+    global SEQ
+    SEQ = args.seq
     torch.set_num_threads(1)
     rank = args.rank
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=rank, world_size=2)
@@ -210,7 +219,7 @@ def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def report(ranks: list[list[dict]], rate: float) -> None:
+def report(ranks: list[list[dict]], rate: float, seq: int = SEQ) -> None:
     """Per round, a case's time is the slower rank's; ratios are taken within the round."""
     rounds = []
     for rows in zip(*ranks):
@@ -222,7 +231,8 @@ def report(ranks: list[list[dict]], rate: float) -> None:
     cases = [c for c in rounds[0] if c != "load"]
     col = lambda case, key: [r[case][key] for r in rounds]  # noqa: E731
     has = {"compute", "comm"} <= set(cases)
-    print(f"\ndp 2 across two hosts, link {rate:g} Mbit/s each way (tc tbf); {len(rounds)} rounds: median "
+    print(f"\ndp 2 across two hosts, link {rate:g} Mbit/s each way (tc tbf), {MICRO} x {seq} tokens a rank; "
+          f"{len(rounds)} rounds: median "
           f"(min-max); load average at the rounds' starts {_spread([r['load'] for r in rounds], '{:.1f}')}")
     print("| case | s/step | CPU s/step | MB sent/step | / max(compute, comm) | / (compute + comm) |")
     print("|---|---|---|---|---|---|")
@@ -245,6 +255,9 @@ def report(ranks: list[list[dict]], rate: float) -> None:
         for case in ("zero2-on",):
             if case in cases:
                 print(f"{case} / bound: {_spread([r[case]['step'] / b for b, r in zip(bounds, rounds)], '{:.2f}')}")
+                cpu = [r[case]["cpu"] / max(r["compute"]["step"], r["comm"]["step"]) for r in rounds]
+                print(f"{case}'s CPU seconds per step / max(compute, comm): {_spread(cpu, '{:.2f}')} "
+                      "(a rank has one core: the step is at least this)")
     for ours, theirs in (("zero2-on", "fsdp2-zero2"), ("zero3", "fsdp2-zero3")):
         if ours in cases and theirs in cases:
             print(f"{ours} / {theirs}: {_spread([r[ours]['step'] / r[theirs]['step'] for r in rounds], '{:.2f}')}")
@@ -256,6 +269,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=2.0)
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (compute per byte sent)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--pin", action="store_true", help="host i's process on CPU i only (taskset)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -285,7 +299,7 @@ def main() -> None:
         procs = [hosts.popen(i, [*(["taskset", "-c", str(i % ncpu)] if args.pin else []),
                                  sys.executable, __file__, "--worker", "--rank", str(i), "--addr", hosts.addr(0),
                                  "--port", str(args.port), "--out", str(out), "--steps", str(args.steps),
-                                 "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb),
+                                 "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb), "--seq", str(args.seq),
                                  "--cases", ",".join(args.cases)], Path(tmp) / f"rank{i}.log",
                              env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
                  for i in range(2)]
@@ -298,7 +312,7 @@ def main() -> None:
         ranks = [json.loads(Path(f"{out}.{i}").read_text()) for i in range(2)]
     print(f"end: uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
           f"{', pinned: host i on CPU i' if args.pin else ''}")
-    report(ranks, args.rate_mbit)
+    report(ranks, args.rate_mbit, args.seq)
     print("\nraw: " + json.dumps(ranks))
 
 
