@@ -180,7 +180,10 @@ class GradReducer:
     @torch.no_grad()
     def begin_step(self, backward_passes: int | None) -> None:
         """Zero the gradients for a new step of ``backward_passes`` backward passes over
-        every parameter (one per micro-batch); None: reduce only in :meth:`reduced`."""
+        every parameter (one per micro-batch). None, at stages 0 and 1: nothing is issued
+        during the backward, every bucket is reduced in :meth:`reduced`. Stages 2 and 3
+        ignore it: their gradients live in the shard only, so each backward's buckets are
+        reduce-scattered as they fill, whatever the count."""
         n = len(self.layout.buckets)
         self._expected = backward_passes
         self._accumulated = [False] * n
