@@ -156,8 +156,8 @@ def test_a_lost_host_leaves_the_job_at_half_the_dp_and_rejoins(prepared_dir, tmp
 
 @pytest.mark.skipif(not os.environ.get("P3D_SILENCED_HOST_TEST"),
                     reason="opt-in (31-99 s): it hung once past 250 s in a suite run; the likely cause, the "
-                           "checkpointer group's 30-min timeout, is fixed and 5 of 5 runs passed since (the last 31 s, 2026-12-04); "
-                           "set P3D_SILENCED_HOST_TEST=1")
+                           "checkpointer group's 30-min timeout, is fixed and 5 of 5 runs passed since "
+                           "(the last 31 s, 2026-12-04); set P3D_SILENCED_HOST_TEST=1")
 def test_a_silenced_host_leaves_the_job_at_half_the_dp_with_the_same_losses(prepared_dir, tmp_path):
     """Host 1's cable pulled after step KILL_AT (its switch port down; its processes live
     on, unreachable): host 0's worker waits in its collective until comm_timeout_s, fails,
