@@ -119,6 +119,12 @@ class GlobalNormOptimizer:
     def begin_step(self, backward_passes: int | None = None) -> None:
         raise NotImplementedError
 
+    def fill_params(self, fill, params: list | None = None) -> None:
+        """``fill(ps)`` writes the start values of parameters ``ps`` (the seeded init or a
+        checkpoint's slices): here in one call, ``fill(params)`` (None: every parameter of
+        the model); ZeRO 3 overrides it to fill one bucket at a time."""
+        fill(params)
+
     def reduce_gradients(self) -> torch.Tensor:
         raise NotImplementedError
 

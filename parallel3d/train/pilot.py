@@ -33,7 +33,7 @@ from parallel3d.planner.fitted import fit_terms, stage_work_s
 from parallel3d.planner.hardware import RUNTIME_RESERVE_BYTES
 from parallel3d.planner.search import valid_layouts
 from parallel3d.planner.spec import Layout, Workload
-from parallel3d.train.rebalance import _share, rebalance_to
+from parallel3d.train.rebalance import rank0_value, rebalance_to
 from parallel3d.train.regroup import move
 from parallel3d.train.setup import check_job
 
@@ -113,7 +113,7 @@ class Pilot:
         measured = measure(window, Layout.from_config(trainer.cfg))
         if self.phase == "measure":
             decision = self._fit_and_decide(trainer, measured, probe)
-            decision = _share(trainer, decision)
+            decision = rank0_value(trainer, decision)
             act = decision.action == "move" and self.ap.act
             event = decision.event(trainer.step)
             if decision.action == "move" and not self.ap.act:
@@ -130,7 +130,7 @@ class Pilot:
             return self._move(trainer, decision.target, "move")
         # verify: the new layout against its prediction (rank 0's verdict: step times are
         # each rank's own, and ranks that disagreed on moving back would hang)
-        event = _share(trainer, self._verdict(trainer, measured))
+        event = rank0_value(trainer, self._verdict(trainer, measured))
         self._say(trainer, event, f"step {trainer.step}: {event['action']}: {event['reason']}")
         self.phase = "done"
         return self._move(trainer, self.before[0], "move back") if event["action"] == "move back" else trainer

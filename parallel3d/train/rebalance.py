@@ -29,8 +29,9 @@ from parallel3d.planner.spec import Layout, layer_split
 from parallel3d.train.regroup import move
 
 
-def _share(trainer, value):
-    """Rank 0's ``value`` on every rank (over the checkpointer's gloo group); the pilot's too."""
+def rank0_value(trainer, value):
+    """Rank 0's ``value`` on every rank (over the checkpointer's gloo group): the
+    decisions of the rebalance and of the pilot."""
     group = trainer.checkpointer.group
     if group is None:
         return value
@@ -118,7 +119,7 @@ def rebalance_to(trainer, make_trainer, build_s: float, history: list[dict]):
         trainer.flush_records()  # the window's records and straggler rows are written
         window = [r for r in history if start + ap.skip_steps < r["step"] <= end and not r.get("skipped")]
         if pending is not None:
-            event = _share(trainer, _verdict(trainer, *pending, window))
+            event = rank0_value(trainer, _verdict(trainer, *pending, window))
             _say(trainer, event, f"step {trainer.step}: {event['action']}: {event['reason']}")
             if event["action"] == "move back":
                 trainer = _move(trainer, make_trainer, pending[1], "move back")
@@ -129,7 +130,7 @@ def rebalance_to(trainer, make_trainer, build_s: float, history: list[dict]):
         if trainer.metrics is not None:
             decision = _decide(trainer, window, _tables(trainer, since + ap.skip_steps, end),
                                ap.move_cost_s or build_s)
-        decision = _share(trainer, decision)
+        decision = rank0_value(trainer, decision)
         if decision is None:
             continue
         event = decision.event(trainer.step)

@@ -103,7 +103,7 @@ class Trainer:
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
         materialize_(self.model, self.device, self.dtype)  # what the optimizer does not hold (LoRA: the frozen weights)
-        fill = getattr(self.optimizer, "fill_params", lambda fn: fn(None))  # ZeRO 3: bucket by bucket
+        fill = self.optimizer.fill_params  # ZeRO 3: bucket by bucket
         if not self.checkpointer.has_weights_to_load():
             fill(lambda params: family.initialize_(self.model, cfg.train.seed, only=params))
         else:
