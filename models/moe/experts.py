@@ -51,6 +51,9 @@ class Experts(nn.ModuleDict):
     ``parallelize`` may set a grouped-GEMM one of the same signature on an instance)."""
 
     swiglu = staticmethod(grouped_swiglu)
+    # forward reads the held experts' weights itself (their own forwards never run): ZeRO's
+    # parameter gathers are waited for here (parallel3d.zero.params.bucket_readers)
+    computes_children = True
 
     def __init__(self, dim: int, ffn_dim: int, expert_ids):
         super().__init__({str(e): SwiGLU(dim, ffn_dim) for e in expert_ids})

@@ -49,16 +49,19 @@ from .buckets import BucketLayout
 
 def bucket_readers(model: torch.nn.Module, params: list, layout: BucketLayout) -> list[tuple]:
     """``(module, sorted bucket indices)`` for every module of ``model`` (in ``modules()``
-    order) that reads parameters of ``params``: its own, and for a layer computed together
+    order) that reads parameters of ``params``: its own; for a layer computed together
     with others (column-parallel layers tied by ``share_input``: the first one called
-    computes all of their outputs) those of every member of its group."""
+    computes all of their outputs) those of every member of its group; for a module that
+    computes its children with their weights (``computes_children = True``: the MoE
+    experts' grouped GEMM, whose children's forwards never run) all of theirs."""
     index = {id(p): i for i, p in enumerate(params)}
     users = []
     for module in model.modules():
         shared = getattr(module, "shared_input", None)
         readers = shared.layers if shared is not None else [module]
+        recurse = bool(getattr(module, "computes_children", False))
         buckets = sorted({layout.location[index[id(p)]][0]
-                          for m in readers for p in m.parameters(recurse=False) if id(p) in index})
+                          for m in readers for p in m.parameters(recurse=recurse) if id(p) in index})
         if buckets:
             users.append((module, buckets))
     return users
