@@ -21,8 +21,10 @@ cases alternated round by round so machine noise hits them alike:
 - ``fsdp2-zero2`` / ``fsdp2-zero3``: torch's ``fully_shard`` on each layer and the root,
   ``reshard_after_forward`` False / True, torch's AdamW.
 
-A case's step time is the wall time of ``--steps`` steps over their number (the overlapped
-all-gather of one step runs under the next; the last is waited for); beside it the
+A case's step time is the wall time of ``--steps`` steps of the steady state over their
+number (each timed step waits for the previous step's all-gathers in its forward and
+leaves its own in flight, as in a long run; the warm-up and one more step come first, and
+the last step's gathers are waited for after the clock stops); beside it the
 process's CPU seconds per step (all its threads: compute, gloo's, the kernel's TCP work)
 and the bytes its host sent per step (the link's counter). Each ratio is taken within a
 round (the compute and comm of the same round, minutes apart at most), then the median
@@ -95,17 +97,23 @@ def _tx() -> int:
 
 
 def _timed(steps: int, one_step, finish=lambda: None) -> dict:
-    """Wall and CPU seconds and bytes sent per step, over ``steps`` steps after a warm-up."""
-    one_step(0)  # warm-up (allocations, the first gathers)
+    """Wall and CPU seconds and bytes sent per step, over ``steps`` steps of the steady
+    state: after a warm-up (allocations, the first gathers: waited for, then a barrier)
+    and one more step, so that every timed step starts with the previous step's
+    all-gathers in flight and ends with its own issued, as in a long run; the last one's
+    are waited for after the clock stops (counting them would add one whole all-gather,
+    not overlapped with anything, to every ``steps`` steps)."""
+    one_step(0)  # warm-up
     finish()
     dist.barrier()
+    one_step(1)  # leaves its all-gathers in flight, as every step does for the next
     t0, c0, b0 = time.perf_counter(), time.process_time(), _tx()
-    for step in range(1, steps + 1):
+    for step in range(2, steps + 2):
         one_step(step)
+    t1, c1, b1 = time.perf_counter(), time.process_time(), _tx()
     finish()
-    c1, b1 = time.process_time(), _tx()
     dist.barrier()
-    return {"step": (time.perf_counter() - t0) / steps, "cpu": (c1 - c0) / steps, "tx": (b1 - b0) / steps}
+    return {"step": (t1 - t0) / steps, "cpu": (c1 - c0) / steps, "tx": (b1 - b0) / steps}
 
 
 def _ours(case: str, steps: int, bucket_mb: float) -> dict:
@@ -130,7 +138,7 @@ def _ours(case: str, steps: int, bucket_mb: float) -> dict:
         loss.backward()
         t2 = time.perf_counter()
         opt.step(train.lr)
-        if s:
+        if s >= 2:  # the timed steps (_timed)
             parts["fwd"] += t1 - t0
             parts["bwd"] += t2 - t1
             parts["update"] += time.perf_counter() - t2
