@@ -53,10 +53,15 @@ def bucket_readers(model: torch.nn.Module, params: list, layout: BucketLayout) -
     with others (column-parallel layers tied by ``share_input``: the first one called
     computes all of their outputs) those of every member of its group; for a module that
     computes its children with their weights (``computes_children = True``: the MoE
-    experts' grouped GEMM, whose children's forwards never run) all of theirs."""
+    experts' grouped GEMM, whose children's forwards never run) all of theirs, and its
+    descendants are no readers (a hook on them would never fire)."""
     index = {id(p): i for i, p in enumerate(params)}
-    users = []
+    users, computed = [], set()
     for module in model.modules():
+        if id(module) in computed:
+            continue
+        if getattr(module, "computes_children", False):
+            computed.update(id(m) for m in module.modules() if m is not module)
         shared = getattr(module, "shared_input", None)
         readers = shared.layers if shared is not None else [module]
         recurse = bool(getattr(module, "computes_children", False))
