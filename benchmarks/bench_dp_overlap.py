@@ -83,9 +83,9 @@ def _model():
     return Llama(LlamaConfig(**MODEL))
 
 
-def _batch(step: int, rank: int) -> torch.Tensor:
+def _batch(step: int, rank: int, seq: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + 2 * step + rank)
-    return torch.randint(0, MODEL["vocab_size"], (MICRO, SEQ + 1), generator=g)
+    return torch.randint(0, MODEL["vocab_size"], (MICRO, seq + 1), generator=g)
 
 
 def _loss(model, tokens):
@@ -121,7 +121,7 @@ def _timed(steps: int, one_step, finish=lambda: None) -> dict:
     return {"step": (t1 - t0) / steps, "cpu": (c1 - c0) / steps, "tx": (b1 - b0) / steps}
 
 
-def _ours(case: str, steps: int, bucket_mb: float) -> dict:
+def _ours(case: str, steps: int, bucket_mb: float, seq: int) -> dict:
     from parallel3d.config import TrainConfig
     from parallel3d.topology import Topology
     from parallel3d.zero import ZeroOptimizer
@@ -138,7 +138,7 @@ def _ours(case: str, steps: int, bucket_mb: float) -> dict:
     def step(s):
         t0 = time.perf_counter()
         opt.begin_step(None if case == "zero2-off" else 1)  # None: reduce after the backward
-        loss = _loss(model, _batch(s, rank))
+        loss = _loss(model, _batch(s, rank, seq))
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -182,7 +182,7 @@ def _comm(steps: int, bucket_mb: float) -> dict:
     return out
 
 
-def _fsdp2(case: str, steps: int) -> dict:
+def _fsdp2(case: str, steps: int, seq: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     model = _model()
@@ -194,7 +194,7 @@ def _fsdp2(case: str, steps: int) -> dict:
     rank = dist.get_rank()
 
     def step(s):
-        _loss(model, _batch(s, rank)).backward()
+        _loss(model, _batch(s, rank, seq)).backward()
         opt.step()
         opt.zero_grad()
 
@@ -202,8 +202,6 @@ def _fsdp2(case: str, steps: int) -> dict:
 
 
 def worker(args) -> None:
-    global SEQ
-    SEQ = args.seq
     torch.set_num_threads(1)
     rank = args.rank
     dist.init_process_group("gloo", init_method=f"tcp://{args.addr}:{args.port}", rank=rank, world_size=2)
@@ -214,9 +212,9 @@ def worker(args) -> None:
             if case == "comm":
                 row[case] = _comm(args.steps, args.bucket_mb)
             elif case.startswith("fsdp2"):
-                row[case] = _fsdp2(case, args.steps)
+                row[case] = _fsdp2(case, args.steps, args.seq)
             else:
-                row[case] = _ours(case, args.steps, args.bucket_mb)
+                row[case] = _ours(case, args.steps, args.bucket_mb, args.seq)
             if rank == 0:
                 print(f"round {r} {case}: {row[case]['step']:.3f} s/step, cpu {row[case]['cpu']:.3f} s/step",
                       flush=True)

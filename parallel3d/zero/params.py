@@ -60,13 +60,13 @@ def bucket_readers(model: torch.nn.Module, params: list, layout: BucketLayout) -
     for module in model.modules():
         if id(module) in computed:
             continue
-        if getattr(module, "computes_children", False):
+        computes = bool(getattr(module, "computes_children", False))
+        if computes:
             computed.update(id(m) for m in module.modules() if m is not module)
         shared = getattr(module, "shared_input", None)
         readers = shared.layers if shared is not None else [module]
-        recurse = bool(getattr(module, "computes_children", False))
         buckets = sorted({layout.location[index[id(p)]][0]
-                          for m in readers for p in m.parameters(recurse=recurse) if id(p) in index})
+                          for m in readers for p in m.parameters(recurse=computes) if id(p) in index})
         if buckets:
             users.append((module, buckets))
     return users
