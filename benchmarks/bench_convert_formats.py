@@ -159,7 +159,7 @@ def write_megatron_legacy(folder: Path, tp: int = 2) -> None:
 
 
 def write_zero(folder: Path, stage: int, ranks: int = 2) -> None:
-    """DeepSpeed's layout (see parallel3d/checkpoint/deepspeed.py): one param group; stage
+    """DeepSpeed's layout (see parallel3d/checkpoint/foreign/deepspeed.py): one param group; stage
     2 partitions the group's flat vector (padded to 2 x ranks), stage 3 each parameter."""
     import torch
 

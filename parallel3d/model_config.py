@@ -62,7 +62,7 @@ def _model_config_from_hf(cfg: ModelConfig) -> LlamaConfig:
     from dataclasses import replace
     from pathlib import Path
 
-    from parallel3d.checkpoint.hf import model_config_from_folder
+    from parallel3d.checkpoint.foreign.hf import model_config_from_folder
 
     folder = Path(cfg.hf_checkpoint)
     if not folder.is_dir():

@@ -199,7 +199,7 @@ def test_megatron_refusals_are_one_line(megatron, tmp_path):
     (legacy / "iter_0000003" / "mp_rank_01" / "model_optim_rng.pt").unlink()
     with pytest.raises(CheckpointError, match=r"rank files of \['mp_rank_01'\] are missing"):
         convert(legacy, tmp_path / "a", "hf", progress=False)
-    from parallel3d.checkpoint.megatron import config_from_args
+    from parallel3d.checkpoint.foreign.megatron import config_from_args
 
     for field, value, needle in [("swiglu", False, "non-SwiGLU"), ("normalization", "LayerNorm", "RMSNorm needed"),
                                  ("add_bias_linear", True, "linear biases"),

@@ -19,7 +19,8 @@ import zlib
 import pytest
 import torch
 
-from parallel3d.checkpoint import dcp_write, zerocopy
+from parallel3d.checkpoint import zerocopy
+from parallel3d.checkpoint.foreign import dcp_write
 from parallel3d.checkpoint.convert import convert
 from parallel3d.checkpoint.hashed_file import HashedFile, crc32_combine
 from parallel3d.checkpoint.reader import CheckpointReader
@@ -242,7 +243,7 @@ def test_dcp_metadata_is_the_pickle_of_torchs_own_classes():
     from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
                                                        StorageMeta, TensorProperties, TensorStorageMetadata)
 
-    from parallel3d.checkpoint.dcp_metadata import metadata_bytes
+    from parallel3d.checkpoint.foreign.dcp_metadata import metadata_bytes
 
     records = [("model.embed_tokens.weight", "__0_0.distcp", torch.Size([37, 16]), torch.float32, 0, 1000),
                ("model.norm.weight", "__0_0.distcp", torch.Size([16]), torch.bfloat16, 1000, 500),

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from parallel3d.checkpoint.convert import convert
-from parallel3d.checkpoint.deepspeed import DeepSpeedCheckpoint
+from parallel3d.checkpoint.foreign.deepspeed import DeepSpeedCheckpoint
 from parallel3d.checkpoint.errors import CheckpointError
 from parallel3d.checkpoint.reader import CheckpointReader, find_checkpoint
 from parallel3d.models.llama.hf import name_from_hf

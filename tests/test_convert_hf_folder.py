@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel3d.checkpoint.hf import COMPANION_FILES
+from parallel3d.checkpoint.foreign.hf import COMPANION_FILES
 from parallel3d.cli import main
 
 from data_inputs import make_tokenizer

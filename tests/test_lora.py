@@ -298,7 +298,7 @@ def test_an_adapter_of_another_rank_says_what_to_change(tmp_path):
 
 
 def _train_and_export(job: dict, folder: str) -> list[float]:
-    from parallel3d.checkpoint.peft import export_peft
+    from parallel3d.checkpoint.foreign.peft import export_peft
 
     cfg = config_from_dict(job)
     trainer = Trainer(cfg, Topology.of(cfg.parallel))
@@ -331,7 +331,7 @@ def test_exported_adapter_gives_the_trained_logits_in_peft(corpus_dir, tmp_path)
     """After training, ``export_peft``'s folder loaded by peft onto the base gives
     parallel3d's logits (fp32, 1e-5)."""
     peft = pytest.importorskip("peft")
-    from parallel3d.checkpoint.peft import export_peft
+    from parallel3d.checkpoint.foreign.peft import export_peft
 
     job = _job(corpus_dir, str(tmp_path))
     cfg = config_from_dict(job)

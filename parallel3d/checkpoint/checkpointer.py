@@ -135,7 +135,7 @@ class Checkpointer:
             return CheckpointReader(found, verify=self.cfg.verify) if found is not None else None
         path = Path(how)
         from .convert import open_source
-        from .hf import HFFolder
+        from .foreign.hf import HFFolder
 
         try:
             source = open_source(path, verify=self.cfg.verify)
@@ -187,12 +187,12 @@ class Checkpointer:
                     found.verify_shared(self.topo.rank, self.topo.world_size, self.group)
             saved = found.index.model if isinstance(found, CheckpointReader) else model_identity(found.model_config)
             check_same_model(saved, model_identity(self.model_cfg), found.folder)
-            from .peft import with_lora_base
+            from .foreign.peft import with_lora_base
 
             source = with_lora_base(found)  # LoRA: the frozen weights from the base the checkpoint names
             self.resumed_from = Path(found.folder)
         elif self.job.model.hf_checkpoint:
-            from .hf import HFFolder
+            from .foreign.hf import HFFolder
 
             source = HFFolder(self.job.model.hf_checkpoint)
             check_same_model(model_identity(source.model_config), model_identity(self.model_cfg),
@@ -387,7 +387,7 @@ class Checkpointer:
         """Wait for a background save; write the Hugging Face export (LoRA: the merged
         model) and the PEFT adapter folder if asked."""
         if self.cfg.export_peft:  # collective; the adapters only, gathered to rank 0
-            from .peft import export_peft
+            from .foreign.peft import export_peft
 
             export_peft(trainer.model, self.job.lora, Path(self.job.run.dir) / self.cfg.export_peft, self.topo,
                         optimizer=trainer.optimizer, base_model=self.job.model.hf_checkpoint)
@@ -400,7 +400,7 @@ class Checkpointer:
 
                 convert(self.root, self.export_dir, to="hf", progress=False, overwrite=True, merge_lora=True)
                 if self.job.model.hf_checkpoint:  # fine-tuned: the source's tokenizer goes along
-                    from .hf import copy_companion_files
+                    from .foreign.hf import copy_companion_files
 
                     copy_companion_files(self.job.model.hf_checkpoint, self.export_dir)
             if self.group is not None:

@@ -43,7 +43,7 @@ from parallel3d.errors import UserError
 from . import zerocopy
 from .errors import CheckpointError
 from .format import LATEST
-from .hf import HFFolder, copy_companion_files, is_hf_folder
+from .foreign.hf import HFFolder, copy_companion_files, is_hf_folder
 from .pipeline import DEFAULT_BUDGET, Progress, default_threads
 from .reader import CheckpointReader, find_checkpoint, step_dir_name
 
@@ -61,24 +61,24 @@ def open_source(path: str | Path, config: str | Path | None = None, *, verify: b
         raise UserError(f"convert: {path} is not a folder")
     if config is not None and not Path(config).is_file():
         raise UserError(f"convert --config '{config}' is not a file: give the model's config.json")
-    from .dcp_read import is_dcp_folder
-    from .deepspeed import find_deepspeed_dir
-    from .megatron import find_megatron
+    from .foreign.dcp_read import is_dcp_folder
+    from .foreign.deepspeed import find_deepspeed_dir
+    from .foreign.megatron import find_megatron
 
     foreign = None
     if not is_hf_folder(path):
         meg = find_megatron(path)
         ds = find_deepspeed_dir(path) if meg is None else None
         if meg is not None:
-            from .megatron_layouts import open_megatron
+            from .foreign.megatron_layouts import open_megatron
 
             foreign = lambda: open_megatron(meg, config)  # noqa: E731
         elif ds is not None:
-            from .deepspeed import DeepSpeedCheckpoint
+            from .foreign.deepspeed import DeepSpeedCheckpoint
 
             foreign = lambda: DeepSpeedCheckpoint(ds, config)  # noqa: E731
         elif is_dcp_folder(path):
-            from .dcp import DCPCheckpoint
+            from .foreign.dcp import DCPCheckpoint
 
             foreign = lambda: DCPCheckpoint(path, config)  # noqa: E731
     if foreign is not None:
@@ -198,7 +198,7 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
     source = raw = open_source(src, config, verify=False)
     try:
         if to != "parallel3d":
-            from .peft import lora_export_view
+            from .foreign.peft import lora_export_view
 
             source = lora_export_view(source, merge_lora)
         step = int(source.step)
@@ -253,7 +253,7 @@ def _verify_written(source, folder: Path, to: str, names, cast) -> None:
     if to == "hf":
         written = HFFolder(folder)
     elif to == "dcp":
-        from .dcp import DCPCheckpoint
+        from .foreign.dcp import DCPCheckpoint
 
         written = DCPCheckpoint(folder, folder / "config.json")
     else:

@@ -170,13 +170,13 @@ class MappedSource(Source):
 
 
 class LazyStore:
-    """A store over :class:`~parallel3d.checkpoint.torchfile.LazyTensor` s by key."""
+    """A store over :class:`~parallel3d.checkpoint.foreign.torchfile.LazyTensor` s by key."""
 
     def __init__(self, tensors: dict, files: list):
         self.tensors, self.files = tensors, files
 
     def read_region(self, key: str, offsets, shape, out: torch.Tensor | None = None) -> torch.Tensor:
-        from .dcp_read import _box_of
+        from .foreign.dcp_read import _box_of
 
         t = self.tensors[key]
         return _box_of(t, t.shape, tuple(offsets), tuple(shape), out)

@@ -120,7 +120,7 @@ def find_config(folder: Path, config: str | Path | None, what: str) -> dict:
     for c in candidates:
         if c.is_file():
             hf = read_json_object(c, "a model config")
-            from .hf import check_no_remote_code
+            from .foreign.hf import check_no_remote_code
 
             check_no_remote_code(hf, c)
             return hf

@@ -20,11 +20,11 @@ import torch
 
 from parallel3d.models.llama.hf import config_from_hf, config_to_hf, name_to_hf
 
-from .dcp_read import read_metadata
-from .dcp_write import DCPFileWriter, write_metadata
+from .foreign.dcp_read import read_metadata
+from .foreign.dcp_write import DCPFileWriter, write_metadata
 from .errors import CheckpointError
 from .format import INDEX, Index, Piece, TensorEntry, model_identity
-from .hf import INDEX_NAME, SINGLE_NAME, hf_order, plan_shards
+from .foreign.hf import INDEX_NAME, SINGLE_NAME, hf_order, plan_shards
 from .pipeline import Item, read_ahead, write_files
 from .safetensors_io import SafetensorsFile, StreamingWriter
 

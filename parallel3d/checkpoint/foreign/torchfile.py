@@ -28,8 +28,8 @@ from pathlib import Path
 
 import torch
 
-from . import zerocopy
-from .errors import CheckpointError
+from .. import zerocopy
+from ..errors import CheckpointError
 
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "DoubleStorage": torch.float64, "HalfStorage": torch.float16,

@@ -18,9 +18,9 @@ import torch
 
 from parallel3d.models.llama.hf import config_from_hf, name_from_hf
 
-from .errors import CheckpointError, read_json_object
-from .safetensors_io import SafetensorsFile
-from .state import logical_shapes
+from ..errors import CheckpointError, read_json_object
+from ..safetensors_io import SafetensorsFile
+from ..state import logical_shapes
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

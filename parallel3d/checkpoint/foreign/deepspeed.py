@@ -21,7 +21,7 @@ the end. Stage 3 partitions each parameter by itself: rank R holds its elements
 offset of R's groups concatenated. Either way each parameter is a list of flat segments of
 the ranks' tensors: the same flat-range model as parallel3d's own ZeRO pieces.
 
-The files are read with :class:`~parallel3d.checkpoint.torchfile.TorchFile`: nothing in
+The files are read with :class:`~parallel3d.checkpoint.foreign.torchfile.TorchFile`: nothing in
 them executes, DeepSpeed is never imported (its loss scaler, ``fragment_address`` and
 ``ZeroStageEnum`` are allow-listed as inert stand-ins), and a tensor's bytes are read only
 when asked for.
@@ -37,10 +37,10 @@ import torch
 
 from parallel3d.models.llama.hf import name_from_hf
 
-from .errors import CheckpointError
-from . import zerocopy
-from .source import Source, find_config, model_config_of
-from .state import logical_shapes
+from ..errors import CheckpointError
+from .. import zerocopy
+from ..source import Source, find_config, model_config_of
+from ..state import logical_shapes
 from .torchfile import LazyTensor, TorchFile, record_class
 
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")

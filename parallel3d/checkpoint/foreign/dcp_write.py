@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from .dcp_metadata import metadata_bytes
-from .hashed_file import HashedFile
-from .zerocopy import Tiles
+from ..hashed_file import HashedFile
+from ..zerocopy import Tiles
 
 METADATA = ".metadata"
 ARCHIVE = "archive/"

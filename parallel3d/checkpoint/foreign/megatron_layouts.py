@@ -1,6 +1,6 @@
 """Where each Megatron tensor role lives in a ``torch_dist`` folder and in legacy rank files
 (see :mod:`.megatron` for both layouts). A *naming* answers, for one parallel3d tensor,
-which blocks of which raw tensors tile it; :class:`~parallel3d.checkpoint.megatron.MegatronCheckpoint`
+which blocks of which raw tensors tile it; :class:`~parallel3d.checkpoint.foreign.megatron.MegatronCheckpoint`
 asks it per role."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 from .dcp_read import DCPStore
-from .errors import CheckpointError
-from .mapped import Block, LazyStore, rows, whole
+from ..errors import CheckpointError
+from ..mapped import Block, LazyStore, rows, whole
 from .megatron import OPAQUE, _RANK_DIR, MegatronCheckpoint, group_rows, load_common
 from .torchfile import LazyTensor
 
@@ -205,7 +205,7 @@ def legacy_parts(folder: Path):
 
 
 def open_megatron(found: tuple[str, Path], config=None) -> MegatronCheckpoint:
-    """The checkpoint :func:`~parallel3d.checkpoint.megatron.find_megatron` found, as a
+    """The checkpoint :func:`~parallel3d.checkpoint.foreign.megatron.find_megatron` found, as a
     source: its tensors laid out by the layout of its kind (here, so that the layouts
     import the checkpoint class and not the other way round)."""
     kind, folder = found

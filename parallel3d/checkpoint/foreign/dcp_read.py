@@ -6,9 +6,9 @@ and the data files (``__<rank>_<i>.distcp``), where each chunk is one ``torch.sa
 archive at its offset and a non-tensor value (a learning rate, a step count) a
 ``torch.save``'d object. torch's own reader unpickles ``.metadata`` with plain ``pickle``
 (executes anything); here it goes through
-:class:`~parallel3d.checkpoint.torchfile.SafeUnpickler` with DCP's metadata classes mapped
+:class:`~parallel3d.checkpoint.foreign.torchfile.SafeUnpickler` with DCP's metadata classes mapped
 to inert records (and the writing framework's own classes: Megatron adds its planner's),
-and chunks are :class:`~parallel3d.checkpoint.torchfile.TorchFile` archives read with
+and chunks are :class:`~parallel3d.checkpoint.foreign.torchfile.TorchFile` archives read with
 ``pread``. :class:`DCPStore` serves any box of any key from whichever chunks it meets.
 """
 
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
-from .format import check_file_name, intersect
-from . import zerocopy
+from ..errors import CheckpointError
+from ..format import check_file_name, intersect
+from .. import zerocopy
 from .torchfile import LazyTensor, Record, TorchFile, record_class, safe_unpickle
 
 METADATA = ".metadata"

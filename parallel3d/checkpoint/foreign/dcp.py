@@ -27,10 +27,10 @@ from pathlib import Path
 from parallel3d.models.llama.hf import name_to_hf
 
 from .dcp_read import DCPStore
-from .errors import CheckpointError
-from .mapped import Mapping, MappedSource, Permuted, rows, whole
-from .source import find_config, model_config_of
-from .state import logical_shapes
+from ..errors import CheckpointError
+from ..mapped import Mapping, MappedSource, Permuted, rows, whole
+from ..source import find_config, model_config_of
+from ..state import logical_shapes
 
 # torchtitan's names, newest first: 0.3 nests q/k/v under ``qkv_linear`` and calls the head
 # ``lm_head``; earlier releases have ``attention.wq`` and ``output``.

@@ -42,10 +42,10 @@ from pathlib import Path
 from parallel3d.models.llama import LlamaConfig
 from parallel3d.models.llama.hf import config_to_hf
 
-from .errors import CheckpointError, read_json_object
-from .mapped import Block, Mapping, MappedSource, rows
-from .source import find_config, model_config_of
-from .state import logical_shapes
+from ..errors import CheckpointError, read_json_object
+from ..mapped import Block, Mapping, MappedSource, rows
+from ..source import find_config, model_config_of
+from ..state import logical_shapes
 from .torchfile import TorchFile, record_class
 
 _ITER = re.compile(r"^iter_(\d{7,})$")
