@@ -1,8 +1,9 @@
 """Mixture-of-Experts training at every layout: the debug-moe model (8 experts, top 2,
 layer 0 dense, the auxiliary loss on) trains with one process's per-step losses (fp32,
 1e-5, the parity bar of every layout test) at ep 1, 2 and 4 and at tp 2 x pp 2 x dp 2 with
-ep 2 (sequence parallelism; ZeRO 1 under 1F1B, ZeRO 2 under 1F1B and zb-h1); each rank
-holds 1/ep of the experts and of their optimizer state; a checkpoint resumes across ep.
+ep 2 (sequence parallelism; ZeRO 1 under 1F1B, ZeRO 2 under 1F1B and zb-h1, ZeRO 3 under
+zb-h1; ZeRO 3 at dp 4 x ep 2 too); each rank holds 1/ep of the experts and of their
+optimizer state; a checkpoint resumes across ep, and a ZeRO 3 one across ep and stage.
 
 Top-k routing is discontinuous: a layout whose gradients differ by more than rounding (the
 experts' gradient left divided by edp rather than dp, measured 2.5e-5 after 6 steps, a
@@ -82,6 +83,8 @@ def test_the_auxiliary_loss_reaches_the_gradients(pools, corpus_dir, tmp_path, r
     {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "zero": 1, "schedule": "1f1b"},
     {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "zero": 2, "schedule": "1f1b"},
     {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "zero": 2, "schedule": "zb-h1"},
+    {"dp": 4, "ep": 2, "zero": 3},
+    {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "zero": 3, "schedule": "zb-h1"},
 ], ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 def test_moe_trains_as_one_process(pools, corpus_dir, tmp_path, reference, parallel):
     parallel = {"tp": 1, "pp": 1, "dp": 1, **parallel}
@@ -125,6 +128,26 @@ def test_a_checkpoint_resumes_across_ep(pools, corpus_dir, tmp_path):
     stopped = str(tmp_path / "resumed" / "checkpoints" / "step_00000004")
     for par, world in (({"dp": 2, "ep": 1}, 2), ({"dp": 4, "ep": 4}, 4)):
         other = job("at-" + "-".join(map(str, par.values())), **par)
+        other["checkpoint"]["resume"] = stopped
+        continued = pools(world).run(_train, other)[0]["losses"]
+        assert relative_diff(continued, straight[4:]) < 1e-5, (par, continued, straight[4:])
+
+
+def test_a_zero3_checkpoint_resumes_at_another_ep_and_stage(pools, corpus_dir, tmp_path):
+    """ZeRO 3 at dp 2 x ep 2 (the dense weights sharded over dp 2, each expert on its one
+    holder): its checkpoint continues at ep 1 with ZeRO 1 and at dp 4 x ep 2 with ZeRO 3
+    with the straight run's losses (1e-5); the straight run equals ZeRO 1's (1e-5)."""
+    def job(name, zero, **par):
+        j = _job(corpus_dir, str(tmp_path / name), steps=8, zero=zero, **par)
+        j["checkpoint"] = {"interval": 4, "keep": 0}
+        return j
+
+    straight = pools(2).run(_train, job("straight", 3, dp=2, ep=2))[0]["losses"]
+    zero1 = pools(2).run(_train, job("zero1", 1, dp=2, ep=2))[0]["losses"]
+    assert relative_diff(straight, zero1) < 1e-5, (straight, zero1)
+    stopped = str(tmp_path / "straight" / "checkpoints" / "step_00000004")
+    for par, zero, world in (({"dp": 2, "ep": 1}, 1, 2), ({"dp": 4, "ep": 2}, 3, 4)):
+        other = job("at-" + "-".join(map(str, par.values())) + f"-z{zero}", zero, **par)
         other["checkpoint"]["resume"] = stopped
         continued = pools(world).run(_train, other)[0]["losses"]
         assert relative_diff(continued, straight[4:]) < 1e-5, (par, continued, straight[4:])

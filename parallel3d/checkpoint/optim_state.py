@@ -87,10 +87,11 @@ def sharded_model_slots(optimizer, placements: dict[int, Placement]) -> list[Slo
     """ZeRO 3: the weights as this rank's flat shards of the parameter buckets, the same
     ranges as its masters (each dp rank writes its own, nothing gathered); None when the
     optimizer keeps whole parameters (the caller saves them as blocks)."""
-    if not _is_zero(optimizer) or getattr(optimizer, "sharded", None) is None:
+    parts = getattr(optimizer, "parts", (optimizer,))  # MoE: the dense and the expert part
+    if not all(_is_zero(part) and getattr(part, "sharded", None) is not None for part in parts):
         return None
-    return [Slot(f"model/{pl.name}", pl, optimizer.param_shards[b][lo:hi], (a, c))
-            for p, pl, b, lo, hi, a, c in _zero_segments(optimizer, placements)]
+    return [Slot(f"model/{pl.name}", pl, part.param_shards[b][lo:hi], (a, c))
+            for part in parts for p, pl, b, lo, hi, a, c in _zero_segments(part, placements)]
 
 
 def _zero_slots(opt, placements):

@@ -269,14 +269,19 @@ def stage_params(model, layout: Layout, pp_rank: int, split: list[int]) -> tuple
 
 def zero3_unit_params(model, layout: Layout, pp_rank: int, split: list[int]) -> int:
     """Parameters of the largest unit ZeRO 3 gathers at once on ``pp_rank`` (a decoder
-    layer, the embedding, or the final norm and head; :func:`parallel3d.planner.timing.stage_units`)."""
+    layer, the embedding, or the final norm and head; :func:`parallel3d.planner.timing.stage_units`).
+    A Mixture-of-Experts layer's unit holds its ``E / ep`` routed experts besides its
+    attention, router and shared experts."""
     chunks = rank_chunks(pp_rank, layout.pp, layout.virtual_stages, layout.schedule)
     n, layers, _ = stage_params(model, layout, pp_rank, split)
     first, last = 0 in chunks, (layout.chunks - 1) in chunks
     embed = model.vocab_size * model.dim // layout.tp
     head = (model.dim + (0 if model.tie_embeddings and first else embed)) if last else 0
-    per_layer = (n - (embed if first else 0) - head) // max(1, layers)
-    return max(per_layer, embed if first else 0, head)
+    sparse = sparse_layers_of(model, split, chunks)
+    layer = layer_params(model, layout.tp) if layers > sparse else 0
+    if sparse:
+        layer = max(layer, layer_params(model, layout.tp, sparse=True) + expert_params(model, layout.ep))
+    return max(layer, embed if first else 0, head)
 
 
 def stage_expert_params(model, layout: Layout, pp_rank: int, split: list[int]) -> int:
@@ -333,8 +338,10 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     else:
         mem.weights = n * b["weight"]
         if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched
-            mem.weights = sum(k * b["weight"] // r for k, r in parts) + 2 * zero3_unit_params(
-                model, layout, pp_rank, split) * b["weight"]
+            # (a unit is whole buckets: one larger than a layer gathers more than the layer)
+            unit = max(zero3_unit_params(model, layout, pp_rank, split),
+                       (bucket_bytes or int(layout.bucket_mb * 2**20)) // 4)
+            mem.weights = sum(k * b["weight"] // r for k, r in parts) + min(n, 2 * unit) * b["weight"]
         mem.master = sum(k * b["master"] // (r if zero else 1) for k, r in parts)
         mem.optimizer = sum(k * ADAM_BYTES // (r if zero else 1) for k, r in parts)
         if layout.zero >= 2:  # gradients accumulate in the shard only

@@ -123,8 +123,6 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed, bucket_rule=False):
         if 2 * pp <= model.n_layers:
             schedules.append(("zb-v", 2))
     zeros = ZERO_STAGES if dp * cp > 1 else (0,)
-    if getattr(model, "moe", None) is not None:  # the trainer's ZeRO 3 refuses MoE models (check_zero3)
-        zeros = tuple(z for z in zeros if z != 3)
     eps = ep_degrees(model, dp)
     # sequence parallelism splits a cp rank's S / cp tokens over tp
     sps = (False, True) if tp > 1 and (work.seq_len // cp) % tp == 0 else (False,)

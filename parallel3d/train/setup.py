@@ -45,7 +45,7 @@ def check_job(cfg: JobConfig, model, world_size: int) -> None:
         raise UserError("; ".join(lora))
     check_observability(cfg.observability)
     check_memory_options(cfg)
-    check_zero3(cfg, model)
+    check_zero3(cfg)
     check_context_parallel(par, train.seq_len)
     if par.sequence_parallel and (train.seq_len // par.cp) % par.tp:
         tokens = (f"train.seq_len {train.seq_len}" if par.cp == 1 else
@@ -162,16 +162,15 @@ def check_memory_options(cfg: JobConfig) -> None:
         raise UserError(f"parallel.bucket_mb must be positive, got {par.bucket_mb}")
 
 
-def check_zero3(cfg: JobConfig, model_cfg=None) -> None:
+def check_zero3(cfg: JobConfig) -> None:
     """ZeRO 3 (parameters sharded and gathered around each module) is built and tested for
-    dense models with every weight trained, optimizer state on the device."""
+    models with every weight trained (dense and Mixture-of-Experts), optimizer state on
+    the device."""
     if cfg.parallel.zero != 3:
         return
     if cfg.parallel.offload_optimizer:
         raise UserError("parallel.offload_optimizer is not supported with parallel.zero=3: use zero 1 or 2 "
                         "or parallel.offload_optimizer=false")
-    if getattr(model_cfg, "moe", None) is not None:
-        raise UserError("parallel.zero=3 is not supported for Mixture-of-Experts models yet: use zero 1 or 2")
     if cfg.lora.rank:
         raise UserError("parallel.zero=3 is not supported with LoRA (lora.rank > 0; frozen base weights "
                         "are not sharded): use zero 1 or 2")

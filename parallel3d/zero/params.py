@@ -37,6 +37,7 @@ export; the optimizer frees them when the update changes the shards).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -45,6 +46,20 @@ from torch.utils._pytree import tree_leaves
 from parallel3d.distributed import all_gather_flat
 
 from .buckets import BucketLayout
+
+
+def _output_tensors(output) -> list[torch.Tensor]:
+    """The tensors of a module's output: pytree leaves, and the tensor fields of a
+    dataclass among them (the MoE router returns its weights and probabilities in one,
+    ``Routing``: without its fields, the router's backward would find its weight freed)."""
+    out = []
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out += [t for f in dataclasses.fields(leaf) for t in tree_leaves(getattr(leaf, f.name))
+                    if isinstance(t, torch.Tensor)]
+    return out
 
 
 def bucket_readers(model: torch.nn.Module, params: list, layout: BucketLayout) -> list[tuple]:
@@ -256,8 +271,8 @@ class ShardedParams:
         for b in buckets:
             self._forward_refs[b] -= 1
         if torch.is_grad_enabled():
-            for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+            for t in _output_tensors(output):
+                if t.requires_grad:
                     t.register_hook(partial(self._pre_backward, user))
         for b in frees:
             self._maybe_free(b)

@@ -70,6 +70,18 @@ class SplitOptimizer(GlobalNormOptimizer):
     def zero_grad(self) -> None:
         self.begin_step(None)
 
+    def fill_params(self, fill, params: list | None = None) -> None:
+        """``fill(ps)`` writes the start values of parameters ``ps``: at stage 3 each part's
+        parameters bucket by bucket (:meth:`ZeroOptimizer.fill_params`, ``params`` None:
+        both parts' own), at other stages one call, ``fill(params)``."""
+        if self.stage != 3:
+            fill(params)
+            return
+        if params is not None:
+            raise ValueError("ZeRO 3 fills every parameter of each part: pass params=None")
+        for part in self.parts:
+            part.fill_params(fill)
+
     def take_masters(self) -> None:
         for part in self.parts:
             part.take_masters()
