@@ -77,6 +77,23 @@ def test_hashed_file_writes_tensors_and_tiles_as_their_bytes(tmp_path, algorithm
     assert (size, digest) == (len(want), ref)
 
 
+def test_writing_a_tensor_leaves_its_storage_resizable(tmp_path):
+    """ZeRO 3 frees a gathered bucket by resizing its storage to 0 bytes; a bucket written
+    while gathered (an export, a save) must still free afterwards, and the bytes written
+    are the tensor's even when the caller drops it before the hashing thread reads them."""
+    bucket = torch.arange(3000, dtype=torch.float32)
+    view = bucket[1000:2000].view(10, 100)  # a parameter: a view into the bucket's storage
+    f = HashedFile(tmp_path / "x", "sha256")
+    f.write_tensor(view)
+    f.write_tensor(torch.arange(5, dtype=torch.int64)[::2])  # a temporary contiguous copy
+    f.write_tensor(torch.empty(0))
+    size, digest = f.close()
+    want = _bytes(view.clone()) + _bytes(torch.tensor([0, 2, 4]))  # (a copy: _bytes goes through numpy)
+    assert (tmp_path / "x").read_bytes() == want and digest == hashlib.sha256(want).hexdigest()
+    bucket.untyped_storage().resize_(0)  # raised "not resizable" when the write went through numpy
+    assert bucket.untyped_storage().nbytes() == 0
+
+
 def test_writes_that_return_before_hashing_keep_the_order_and_call_then_after(tmp_path):
     """With ``then``, write_tensor / write_tiles return once written and the helper hashes
     behind; the file's digest is still that of the bytes in order, and each ``then`` runs

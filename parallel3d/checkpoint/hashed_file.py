@@ -25,6 +25,7 @@ CRC'd file needs without hashing its bytes twice).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import math
 import os
@@ -93,12 +94,22 @@ class Crc32:
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes in row-major order, without a copy when it is contiguous on CPU."""
+    """The tensor's bytes in row-major order, without a copy when it is contiguous on CPU.
+
+    Through a ctypes array over the tensor's memory (which keeps the tensor alive), not
+    ``.numpy()``: that marks the storage as never resizable again, and ZeRO 3 frees a
+    gathered bucket by resizing its storage to 0 bytes (a bucket written while gathered,
+    an export mid-run, would fail its next free)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     flat = t.contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    n = flat.numel() * flat.element_size()
+    if n == 0:
+        return memoryview(b"")
+    raw = (ctypes.c_ubyte * n).from_address(flat.data_ptr())
+    raw.tensor = flat  # alive as long as any view of these bytes
+    return memoryview(raw).cast("B")
 
 
 def tile_runs(tiles: Tiles) -> list[memoryview]:
