@@ -20,3 +20,13 @@ def model_family(name: str):
     if name not in FAMILIES:
         raise ValueError(f"unknown model.family '{name}': choose one of {list(FAMILIES)}")
     return importlib.import_module(f"{__name__}.{name}.family")
+
+
+def family_of(config):
+    """The ``family`` module whose ``CONFIG`` class ``config`` is (the planner holds a
+    model's config, not its family's name)."""
+    for name in FAMILIES:
+        family = model_family(name)
+        if isinstance(config, family.CONFIG):
+            return family
+    raise ValueError(f"no model family has the config {type(config).__name__}")

@@ -177,11 +177,11 @@ def _layer_split(model, pp: int, virtual_stages: int, pp_layers: tuple[int, ...]
                  schedule: str) -> tuple[int, ...]:
     # The search asks for the same (model, pp, v) split for every micro-batch size,
     # schedule, ZeRO stage and recompute setting; the rule's exact arithmetic is slow.
-    from parallel3d.models.llama.parallelize import stage_costs
+    from parallel3d.models import family_of
     from parallel3d.pipeline.partition import resolve_split
 
     return tuple(resolve_split(model.n_layers, pp, virtual_stages,
-                               list(pp_layers) if pp_layers else None, *stage_costs(model),
+                               list(pp_layers) if pp_layers else None, *family_of(model).stage_costs(model),
                                schedule=schedule))
 
 
