@@ -133,6 +133,17 @@ def test_a_checkpoint_resumes_across_ep(pools, corpus_dir, tmp_path):
         assert relative_diff(continued, straight[4:]) < 1e-5, (par, continued, straight[4:])
 
 
+def test_zero3_in_bf16_equals_zero2_bit_for_bit(pools, corpus_dir, tmp_path):
+    """bf16 weights with fp32 masters at dp 2 x ep 2: ZeRO 3 gathers the bf16 shards ZeRO 2
+    keeps whole and reduces the same buckets, so the losses are the same bits."""
+    runs = {}
+    for zero in (2, 3):
+        job = _job(corpus_dir, str(tmp_path / f"z{zero}"), steps=8, zero=zero, dp=2, ep=2)
+        job["train"]["dtype"] = "bf16"
+        runs[zero] = pools(2).run(_train, job)[0]["losses"]
+    assert runs[3] == runs[2], runs
+
+
 def test_a_zero3_checkpoint_resumes_at_another_ep_and_stage(pools, corpus_dir, tmp_path):
     """ZeRO 3 at dp 2 x ep 2 (the dense weights sharded over dp 2, each expert on its one
     holder): its checkpoint continues at ep 1 with ZeRO 1 and at dp 4 x ep 2 with ZeRO 3
