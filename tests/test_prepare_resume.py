@@ -74,6 +74,60 @@ def test_a_killed_preparation_resumes_at_its_last_shard_and_equals_an_uninterrup
         assert got[name] == want[name], f"{name} differs from the uninterrupted preparation"
 
 
+def _children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:  # field 4, the parent's pid (after the name)
+            out.append(int(stat.parent.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_killed_preparation_leaves_no_worker_running_and_no_traceback(prepared_dir, tmp_path):
+    """prepare-data with 2 worker processes, SIGKILLed mid-run: its workers end within
+    seconds (they get SIGTERM when their parent dies; before, they printed BrokenPipe
+    tracebacks as they found the pipe gone) and print nothing."""
+    make_mixed_inputs(tmp_path / "in", 3_000_000)
+    out = tmp_path / "killed"
+    args = {"inputs": [str(tmp_path / "in")], "tok": str(Path(prepared_dir) / "tokenizer"), "out": str(out),
+            "opts": OPTIONS}
+    code = ("import sys, json; from parallel3d.data.prepare import prepare_data; "
+            "a = json.loads(sys.argv[1]); prepare_data(a['inputs'], a['tok'], a['out'], workers=2, **a['opts'])")
+    err = tmp_path / "stderr"
+    with open(err, "wb") as stderr:
+        child = subprocess.Popen([sys.executable, "-c", code, json.dumps(args)], stderr=stderr)
+    workers: list[int] = []
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            workers = [w for w in _children(child.pid) if _children(w) == [] and _alive(w)]
+            if len(workers) >= 2 and (out / STATE).exists():  # the pool runs, a shard is done
+                break
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+    assert child.returncode == -signal.SIGKILL and len(workers) >= 2, (child.returncode, workers)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers), "workers outlived the killed prepare-data"
+    time.sleep(0.5)  # (anything they would print after)
+    assert "Traceback" not in err.read_text(errors="replace"), err.read_text(errors="replace")[-2000:]
+
+
 def test_other_options_start_over(prepared_dir, tmp_path, capsys):
     tok = Path(prepared_dir) / "tokenizer"
     make_mixed_inputs(tmp_path / "in", 3_000_000)

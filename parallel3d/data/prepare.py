@@ -93,12 +93,32 @@ def _tokenizer_threads(enabled: bool):
             os.environ["TOKENIZERS_PARALLELISM"] = old
 
 
+def _die_with_parent() -> None:
+    """In a pool worker: a Ctrl-C is the parent's to handle (it terminates the pool), and
+    on Linux the worker gets SIGTERM as soon as its parent dies, so a killed prepare-data
+    leaves no worker running on and none printing a broken pipe's traceback."""
+    import ctypes
+    import multiprocessing
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not sys.platform.startswith("linux"):
+        return
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _pool_worker_init(*args) -> None:
+    _die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core, one thread each
     init_worker(*args)
 
 
 def _pool_chat_init(*args) -> None:
+    _die_with_parent()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from parallel3d.data.chat import init_chat_worker
 
