@@ -107,7 +107,7 @@ from parallel3d.planner.spec import ADAM_BYTES, Layout, Workload, kv_width, laye
 
 BUCKET_BYTES = 25 * 2**20  # gradient buckets (parallel.bucket_mb)
 FLUSH_BYTES = 16 * 2**20  # a W's weight gradients handed to autograd together (kernels/deferred.py)
-MAX_INFLIGHT = 2  # bucket reductions in flight at once (parallel3d/zero/grads.py)
+MAX_INFLIGHT = 4  # bucket reductions in flight at once (parallel3d/zero/grads.py)
 INIT_CHUNK_BYTES = 12 * 2**20  # the seeded initialisation's host temporaries (tensor_parallel/init.py)
 
 
@@ -349,7 +349,8 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
             mem.full_grads = 4 * n + (sum(4 * k // r for k, r in parts) if layout.zero == 1 else 0)
     bucket = min(bucket_bytes or int(layout.bucket_mb * 2**20), 4 * trained)
-    in_flight_buckets = MAX_INFLIGHT * bucket
+    # (never more buckets than the gradients fill)
+    in_flight_buckets = min(MAX_INFLIGHT, -(-4 * trained // bucket)) * bucket if bucket else 0
     # Inside a backward: stage 2 packs each bucket into a fresh fp32 buffer, at most
     # MAX_INFLIGHT of them in flight; on gloo every reduce-scatter in flight also has its
     # receive buffer.

@@ -28,7 +28,11 @@ Buckets are issued strictly in index order, so every rank of the dp group issues
 collectives in the same order (NCCL requires it). At most :data:`MAX_INFLIGHT` reductions
 are in flight: issuing another first finishes the oldest (on NCCL a stream wait, the host
 goes on; on gloo the host waits), so the transient buffers of the reductions (stage 2's
-packed buckets, gloo's receive buffers) stay within two buckets. Either way gradients
+packed buckets, gloo's receive buffers) stay within four buckets. Four, not two: the
+buckets fill in bursts (a layer's large weights complete several at once), and with two a
+backward whose link has room on average still waited for reductions (dp 2 across two
+hosts with comm ~ compute: the step 1.24x max(compute, comm) against 1.29x with two;
+eight gave no more, benchmarks/README.md). Either way gradients
 are accumulated in fp32, whatever the parameter dtype, and reduced in fp32 by default.
 
 ``reduce_dtype = "bf16"`` (``parallel.reduce_dtype``) sends each bucket as a bf16 copy of
@@ -51,7 +55,7 @@ from parallel3d.distributed import reduce_scatter_flat
 
 from .buckets import BucketLayout
 
-MAX_INFLIGHT = 2  # bucket reductions in flight at once (see the module docstring)
+MAX_INFLIGHT = 4  # bucket reductions in flight at once (see the module docstring)
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # parallel.reduce_dtype
 
 
