@@ -31,8 +31,9 @@ goes on; on gloo the host waits), so the transient buffers of the reductions (st
 packed buckets, gloo's receive buffers) stay within four buckets. Four, not two: the
 buckets fill in bursts (a layer's large weights complete several at once), and with two a
 backward whose link has room on average still waited for reductions (dp 2 across two
-hosts with comm ~ compute: the step 1.24x max(compute, comm) against 1.29x with two;
-eight gave no more, benchmarks/README.md). Either way gradients
+hosts with comm ~ compute, two runs: the step 1.24x and 1.30x max(compute, comm) against
+1.29x and 1.32x with two, 4-5% off the step; eight or sixteen gave no more;
+benchmarks/README.md). Either way gradients
 are accumulated in fp32, whatever the parameter dtype, and reduced in fp32 by default.
 
 ``reduce_dtype = "bf16"`` (``parallel.reduce_dtype``) sends each bucket as a bf16 copy of
