@@ -165,13 +165,15 @@ def test_a_zero3_checkpoint_resumes_at_another_ep_and_stage(pools, corpus_dir, t
 
 
 @pytest.mark.slow  # 16 gloo ranks on 2 cores: ~60 s idle
-def test_every_axis_at_once_trains_as_one_process(pools, corpus_dir, tmp_path):
-    """tp 2 x cp 2 x pp 2 x dp 2 with ep 2 (sequence parallelism, ZeRO 1, 1F1B): the
-    router statistics summed over the tp and cp ranks that share a micro-batch, experts
-    over the ep ranks, gradients over dp x cp (dense) and edp x cp (experts); the first
-    6 steps' losses are one process's (1e-5)."""
-    parallel = {"tp": 2, "cp": 2, "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "zero": 1,
-                "schedule": "1f1b"}
+@pytest.mark.parametrize("zero,schedule", [(1, "1f1b"), (3, "zb-h1")])
+def test_every_axis_at_once_trains_as_one_process(pools, corpus_dir, tmp_path, zero, schedule):
+    """tp 2 x cp 2 x pp 2 x dp 2 with ep 2 (sequence parallelism; ZeRO 1 under 1F1B, ZeRO 3
+    under zb-h1): the router statistics summed over the tp and cp ranks that share a
+    micro-batch, experts over the ep ranks, gradients over dp x cp (dense) and edp x cp
+    (experts), ZeRO 3's weights sharded over the same; the first 6 steps' losses are one
+    process's (1e-5)."""
+    parallel = {"tp": 2, "cp": 2, "pp": 2, "dp": 2, "ep": 2, "sequence_parallel": True, "zero": zero,
+                "schedule": schedule}
     ranks = pools(16).run(_train, _job(corpus_dir, str(tmp_path), steps=6, **parallel))
     want = _train(_job(corpus_dir, str(tmp_path / "ref6"), steps=6))
     for got in ranks:
