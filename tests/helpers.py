@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 from pathlib import Path
@@ -122,3 +123,22 @@ def run_counting_cpu(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProc
     proc = subprocess.run(cmd, **kwargs)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return proc, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def spawned_children(parent: int) -> list[int]:
+    """The multiprocessing spawn children of process ``parent`` (launched workers, pool
+    workers; not its resource tracker), in start order."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == parent and b"spawn_main" in cmd:
+            out.append(int(entry))
+    return sorted(out)

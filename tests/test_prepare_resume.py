@@ -16,8 +16,10 @@ import pytest
 
 from parallel3d.data.prepare import prepare_data
 from parallel3d.data.resume import STATE
+from parallel3d.reliability.watch import _process_gone
 
 from data_inputs import make_mixed_inputs
+from helpers import spawned_children
 
 OPTIONS = dict(val_fraction=0.05, shard_tokens=20_000, chunk_bytes=1 << 16, progress=False)
 
@@ -74,26 +76,6 @@ def test_a_killed_preparation_resumes_at_its_last_shard_and_equals_an_uninterrup
         assert got[name] == want[name], f"{name} differs from the uninterrupted preparation"
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:  # field 4, the parent's pid (after the name)
-            out.append(int(stat.parent.name))
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_killed_preparation_leaves_no_worker_running_and_no_traceback(prepared_dir, tmp_path):
     """prepare-data with 2 worker processes, SIGKILLed mid-run: its workers end within
@@ -112,7 +94,7 @@ def test_a_killed_preparation_leaves_no_worker_running_and_no_traceback(prepared
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline and child.poll() is None:
-            workers = [w for w in _children(child.pid) if _children(w) == [] and _alive(w)]
+            workers = spawned_children(child.pid)
             if len(workers) >= 2 and (out / STATE).exists():  # the pool runs, a shard is done
                 break
             time.sleep(0.05)
@@ -121,9 +103,9 @@ def test_a_killed_preparation_leaves_no_worker_running_and_no_traceback(prepared
         child.wait()
     assert child.returncode == -signal.SIGKILL and len(workers) >= 2, (child.returncode, workers)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(w) for w in workers):
+    while time.monotonic() < deadline and not all(_process_gone(w) for w in workers):
         time.sleep(0.05)
-    assert not any(_alive(w) for w in workers), "workers outlived the killed prepare-data"
+    assert all(_process_gone(w) for w in workers), "workers outlived the killed prepare-data"
     time.sleep(0.5)  # (anything they would print after)
     assert "Traceback" not in err.read_text(errors="replace"), err.read_text(errors="replace")[-2000:]
 

@@ -21,7 +21,7 @@ from parallel3d.testing import ProcessGroupPool
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import POOL_START, stall_rank_at, tiny_job
+from helpers import POOL_START, spawned_children, stall_rank_at, tiny_job
 
 
 # -- non-finite gradients -------------------------------------------------------------------
@@ -153,24 +153,6 @@ def test_stalled_rank_makes_the_others_exit_naming_op_and_group(corpus_dir, tmp_
 
 # -- a killed rank --------------------------------------------------------------------------
 
-def _worker_pids(parent: int) -> list[int]:
-    """The launched workers (multiprocessing spawn children), in start = local-rank order."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if ppid == parent and b"spawn_main" in cmd:
-            out.append(int(entry))
-    return sorted(out)
-
-
 def test_sigkill_of_one_of_four_ranks_ends_every_process(corpus_dir, tmp_path):
     run = tmp_path / "run"
     args = [f"--{k}={v}" for k, v in {
@@ -189,7 +171,7 @@ def test_sigkill_of_one_of_four_ranks_ends_every_process(corpus_dir, tmp_path):
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert proc.poll() is None and time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
-        workers = _worker_pids(proc.pid)
+        workers = spawned_children(proc.pid)
         assert len(workers) == 4, workers
         victim = workers[2]
         t0 = time.monotonic()
