@@ -37,10 +37,10 @@ import torch.nn.functional as F
 
 import sdpa_lookalikes
 from parallel3d.context_parallel import (choose_comm, context_parallel_attention, contiguous_positions,
-                                         document_keys, kv_bytes_per_layer, score_elements,
+                                         document_keys, head_tail_chunks, kv_bytes_per_layer, score_elements,
                                          shard_documents, shard_positions, shard_sequence,
                                          unshard_sequence)
-from parallel3d.context_parallel import blocks, cuda_blocks, spans
+from parallel3d.context_parallel import blocks, cuda_blocks, gathered, spans
 from parallel3d.context_parallel.attention import ContextParallelAttention
 from parallel3d.context_parallel.blocks import CAUSAL, FULL, ring_plan
 from parallel3d.context_parallel.documents import SKIP, DocumentStarts
@@ -143,6 +143,59 @@ def test_attention_equals_full_sequence_sdpa(pools, cp, comm):
             tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
             assert max(errs) < tol, (f"rank {rank} {path} {dtype} docs={docs}: out, dq, dk, dv off "
                                      f"by {errs} (tolerance {tol})")
+
+
+def _allgather_events(cp: int) -> list[tuple]:
+    """The all-gather mode's collectives and block runs, in the order they happen."""
+    events = []
+
+    class Traced:
+        def __init__(self, work, name):
+            self.work, self.name = work, name
+
+        def wait(self):
+            events.append(("wait", self.name))
+            return self.work.wait()
+
+    def traced(fn, name):
+        def call(*args, **kwargs):
+            events.append(("issue", name, kwargs.get("async_op")))
+            return Traced(fn(*args, **kwargs), name)
+        return call
+
+    def spans_of(fn, name, at):  # at: the position of the K/V's chunk indices among fn's arguments
+        def call(*args):
+            events.append((name, "own" if tuple(args[at]) == head_tail_chunks(cp, r) else "others"))
+            return fn(*args)
+        return call
+
+    group = _cp_group(cp)
+    r = dist.get_rank(group)
+    saved = {n: getattr(gathered, n) for n in ("all_gather_flat", "reduce_scatter_flat", "forward_spans",
+                                               "backward_spans")}
+    gathered.all_gather_flat = traced(saved["all_gather_flat"], "all-gather")
+    gathered.reduce_scatter_flat = traced(saved["reduce_scatter_flat"], "reduce-scatter")
+    gathered.forward_spans = spans_of(saved["forward_spans"], "forward", 3)
+    gathered.backward_spans = spans_of(saved["backward_spans"], "backward", 6)
+    try:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, h, 4 * cp, 8, requires_grad=True) for h in (4, 2, 2))
+        context_parallel_attention(q, k, v, group, comm="allgather").sum().backward()
+    finally:
+        for n, fn in saved.items():
+            setattr(gathered, n, fn)
+    return events
+
+
+def test_allgather_mode_runs_the_own_blocks_under_its_collectives(pools):
+    """Forward: the K/V all-gather is issued, the blocks of the rank's own chunks run, and
+    only then is it waited for; backward: the other chunks' blocks, their dK/dV's
+    reduce-scatter issued, the own blocks under it, then the wait."""
+    expected = [("issue", "all-gather", True), ("forward", "own"), ("wait", "all-gather"), ("forward", "others"),
+                ("backward", "others"), ("issue", "reduce-scatter", True), ("backward", "own"),
+                ("wait", "reduce-scatter")]
+    for cp in (2, 4):
+        assert pools(4).run(_allgather_events, cp) == [expected] * 4
 
 
 def _mha(cp: int, comm: str) -> list[float]:
@@ -264,7 +317,7 @@ def test_head_tail_balances_attention_work(cp):
         return size[kind] * (q_hi - q_lo) * (k_hi - k_lo)
 
     ring_as_spans = [sum(span_size(s) for step in ring_spans(cp, r) for s in step) for r in range(cp)]
-    gathered_as_spans = [sum(span_size(s) for s in gathered_spans(cp, r)) for r in range(cp)]
+    gathered_as_spans = [sum(span_size(s) for part in gathered_spans(cp, r) for s in part) for r in range(cp)]
     assert ring_as_spans == gathered_as_spans == head_tail
 
 
@@ -272,15 +325,22 @@ def test_head_tail_balances_attention_work(cp):
 def test_spans_cover_each_block_of_the_plans_once(cp):
     """The spans (one kernel call each) hold exactly the plans' blocks, every (query
     chunk, key chunk) pair once, and are fewer: the ring's later steps one call each."""
+    def pairs(spans, chunk=lambda k: k):  # every (query half, global key chunk, kind) of the spans
+        return [(qi, chunk(ki), kind) for (q_lo, q_hi), (k_lo, k_hi), kind in spans
+                for qi in range(q_lo, q_hi) for ki in range(k_lo, k_hi)]
+
     for r in range(cp):
-        for plan, spans in [(ring_plan(cp, r)[t], ring_spans(cp, r)[t]) for t in range(cp)] + \
-                [(gathered_plan(cp, r), gathered_spans(cp, r))]:
-            pairs = sorted((qi, ki, kind) for (q_lo, q_hi), (k_lo, k_hi), kind in spans
-                           for qi in range(q_lo, q_hi) for ki in range(k_lo, k_hi))
-            assert pairs == sorted(plan)
+        own, others = gathered_spans(cp, r)
+        gathered = pairs(own, lambda k: head_tail_chunks(cp, r)[k]) + pairs(others)
+        assert sorted(gathered) == sorted(gathered_plan(cp, r))  # the all-gather mode's two parts
+        assert all(b not in head_tail_chunks(cp, r) for _, b, _ in pairs(others))
+        for plan, spans in [(ring_plan(cp, r)[t], ring_spans(cp, r)[t]) for t in range(cp)] + [(None, own + others)]:
+            if plan is not None:
+                assert sorted(pairs(spans)) == sorted(plan)
             assert all(kind == FULL for (q, k, kind) in spans if q[1] - q[0] > 1 or k[1] - k[0] > 1)
         assert [len(step) for step in ring_spans(cp, r)] == [3] + [1] * (cp - 1)
-        assert len(gathered_spans(cp, r)) <= 4 < len(gathered_plan(cp, r))
+        assert own == ring_spans(cp, r)[0]  # the own part is the ring's step 0
+        assert len(own) + len(others) <= min(5, len(gathered_plan(cp, r)) - 1)  # fewer calls than blocks
 
 
 @pytest.mark.parametrize("cp", [2, 4])

@@ -442,12 +442,14 @@ def test_model_states_shard_over_dp_x_cp_and_the_allgather_keeps_the_whole_kv():
 
 
 def test_kv_traffic_grows_with_cp_as_the_cost_formula_says():
-    """Per layer and micro-batch: the all-gather mode moves (cp - 1) / cp of the whole
-    sequence's K/V forward (all-gather) and backward (reduce-scatter of dK/dV), the bytes
-    of ``context_parallel.cost.kv_bytes_per_layer``; the ring's exposed time, with nothing
-    to hide behind, is its cp - 1 K/V messages each way plus cp fp32 dK/dV messages, the
-    same function's ring bytes; with the attention to hide behind, only the last dK/dV
-    message is left."""
+    """Per layer and micro-batch, with nothing to hide behind (an infinitely fast GPU):
+    the all-gather mode moves (cp - 1) / cp of the whole sequence's K/V forward
+    (all-gather) and backward (reduce-scatter of dK/dV), the bytes of
+    ``context_parallel.cost.kv_bytes_per_layer``; the ring's exposed time is its cp - 1 K/V
+    messages each way plus cp fp32 dK/dV messages, the same function's ring bytes. With
+    the attention to hide behind, the all-gather mode exposes what its collectives
+    outlast the rank's own chunks' attention by, and the ring only its last dK/dV
+    message."""
     from parallel3d.context_parallel.cost import kv_bytes_per_layer
     from parallel3d.planner.timing import cp_layer_seconds
 
@@ -456,21 +458,29 @@ def test_kv_traffic_grows_with_cp_as_the_cost_formula_says():
     gpu = gpu_named("h100-80g")
     eff = replace(default_efficiency(), nvlink_latency_s=0.0, internode_latency_s=0.0)
     bw = gpu.nvlink_bytes_per_s * eff.link
+    fast = replace(gpu, peak_flops=1e40)
     assert cp_layer_seconds(work, Layout(tp=2), gpu, 8, eff) == (0.0, 0.0)
     seconds = {}
     for cp in (2, 4):
-        f, b = cp_layer_seconds(work, Layout(tp=2, cp=cp, cp_comm="allgather"), gpu, 8, eff)
+        f, b = cp_layer_seconds(work, Layout(tp=2, cp=cp, cp_comm="allgather"), fast, 8, eff)
         sent = kv_bytes_per_layer("allgather", batch=1, seq_len=65536, n_kv_heads=8 // 2, head_dim=128, cp=cp)
         assert f == pytest.approx(b) and (f + b) * bw == pytest.approx(sent, rel=1e-12)
         seconds[cp] = f + b
     assert seconds[4] / seconds[2] == pytest.approx((3 / 4) / (1 / 2))
     # tp 4 x cp 4 spans two nodes: the cp group's traffic runs at the NIC's speed
-    f, _ = cp_layer_seconds(work, Layout(tp=4, cp=4, cp_comm="allgather"), gpu, 8, eff)
+    f, b = cp_layer_seconds(work, Layout(tp=4, cp=4, cp_comm="allgather"), fast, 8, eff)
     kv_elems = 2 * 65536 * 2 * 128
-    assert f == pytest.approx(3 / 4 * kv_elems * 2 / (gpu.internode_bytes_per_s * eff.link))
-    # the ring with no compute to overlap (an infinitely fast GPU) exposes all its bytes
-    # (tp 2 x cp 8 leaves the node)
-    fast = replace(gpu, peak_flops=1e40)
+    gather_s = 3 / 4 * kv_elems * 2 / (gpu.internode_bytes_per_s * eff.link)
+    assert f == pytest.approx(gather_s)
+    # on an H100 the collectives run under the own chunks' attention: 2 of the rank's 2 cp
+    # chunk blocks (head-tail), twice as long in the backward; at 32K tokens (8K a rank)
+    # the all-gather outlasts it, the reduce-scatter does not
+    work32 = Workload(model, 32768, 16, "bf16")
+    own_f = 4 * 32768 * model.n_heads * model.head_dim * 8192 / 4 / (gpu.peak_flops * eff.compute) / 4
+    assert 0 < own_f < gather_s / 2 < 2 * own_f
+    assert cp_layer_seconds(work32, Layout(tp=4, cp=4, cp_comm="allgather"), gpu, 8, eff) == \
+        pytest.approx((gather_s / 2 - own_f, 0.0))
+    # the ring with no compute to overlap exposes all its bytes (tp 2 x cp 8 leaves the node)
     for cp in (2, 4, 8):
         f, b = cp_layer_seconds(work, Layout(tp=2, cp=cp, cp_comm="ring"), fast, 8, eff)
         sent = kv_bytes_per_layer("ring", batch=1, seq_len=65536, n_kv_heads=4, head_dim=128, cp=cp)
@@ -480,12 +490,12 @@ def test_kv_traffic_grows_with_cp_as_the_cost_formula_says():
     f, b = cp_layer_seconds(work, Layout(tp=2, cp=4, cp_comm="ring"), gpu, 8, eff)
     assert f == 0.0 and b * bw == pytest.approx(2 * 65536 * 4 * 128 / 4 * 4)
     # the step carries it: m micro-batches x 32 layers x (F + B), recomputation adds F again
-    layout = Layout(tp=2, cp=4, dp=8, micro_batch=1, cp_comm="allgather")
-    t = step_time(work, layout, gpu, 8, eff)
-    f, b = cp_layer_seconds(work, layout, gpu, 8, eff)
-    assert t.cp_comm_s == pytest.approx(layout.n_micro(work) * 32 * (f + b))
-    t_full = step_time(work, replace(layout, recompute="full"), gpu, 8, eff)
-    assert t_full.cp_comm_s == pytest.approx(layout.n_micro(work) * 32 * (2 * f + b))
+    layout = Layout(tp=4, cp=4, dp=4, micro_batch=1, cp_comm="allgather")
+    t = step_time(work32, layout, gpu, 8, eff)
+    f, b = cp_layer_seconds(work32, layout, gpu, 8, eff)
+    assert f > 0 and t.cp_comm_s == pytest.approx(layout.n_micro(work32) * 32 * (f + b))
+    t_full = step_time(work32, replace(layout, recompute="full"), gpu, 8, eff)
+    assert t_full.cp_comm_s == pytest.approx(layout.n_micro(work32) * 32 * (2 * f + b))
 
 
 def test_cp_is_searched_for_long_sequences_and_within_the_trainer_checks():

@@ -2,12 +2,13 @@
 over the whole sequence from each rank's queries.
 
     sharding.py   head-tail sharding of tokens, global positions, document ids
-    comm.py       all-gather <-> reduce-scatter pair, the ring's p2p step
+    comm.py       the ring's p2p step
     blocks.py     one block's attention with its log-sum-exp, merge, backward; ring plan
     documents.py  packed documents: a block's mask from its queries' document starts
     spans.py      the plans' blocks merged into fewer kernel calls, and run
     ring.py       ring attention (autograd.Function; backward recomputes per block)
-    gathered.py   the all-gather mode's local part: blocks over the gathered K/V
+    gathered.py   the all-gather mode: the own chunks' blocks under the K/V all-gather
+                  (and the reduce-scatter of dK/dV), then the other chunks'; in-process form
     attention.py  ``context_parallel_attention(q, k, v, group, comm=...)``; all-gather mode;
                   ``ContextParallelAttention``, the model's hook (``Llama.attention_fn``)
     cost.py       bytes per layer for each comm mode; attention work of a rank; "auto"

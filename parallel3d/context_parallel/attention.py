@@ -14,8 +14,8 @@ the rows of full-sequence attention for the local queries; gradients flow to q, 
 - ``"allgather"``: K and V of every rank gathered (one all-gather of the stacked
   (2, B, Hkv, S_l, D); backward: one reduce-scatter of dK/dV), put back in global order,
   and attended block by block (``gathered.py``: the chunks after a query chunk never
-  computed). With GQA the K/V are small next to Q, and any mask is easy (the Llama 3
-  paper's choice).
+  computed; the blocks of the rank's own K/V run while the collective is in flight). With
+  GQA the K/V are small next to Q, and any mask is easy (the Llama 3 paper's choice).
 - ``"ring"``: ``ring.py``, ``cp - 1`` p2p steps overlapped with the blocks' attention.
 
 A group of None or of one rank is plain causal (or document-masked) SDPA.
@@ -27,11 +27,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import gather_from_cp
 from .documents import DocumentStarts, local_document_mask
-from .gathered import gathered_attention
+from .gathered import overlapped_gather_attention
 from .ring import ring_attention
-from .sharding import document_keys, unshard_sequence
+from .sharding import document_keys
 
 COMMS = ("allgather", "ring")
 
@@ -63,10 +62,7 @@ def _local_attention(q, k, v, doc_starts, scale):
 
 def allgather_attention(q, k, v, group, doc_starts=None, scale=None):
     """``comm="allgather"`` (module docstring)."""
-    cp, r = dist.get_world_size(group), dist.get_rank(group)
-    kv = gather_from_cp(torch.stack([k, v]), group)  # (cp, 2, B, Hkv, S_l, D)
-    kv = unshard_sequence(kv.unbind(0), dim=3)  # (2, B, Hkv, S, D), global order
-    return gathered_attention(q, kv, cp, r, doc_starts, scale)
+    return overlapped_gather_attention(q, k, v, group, doc_starts, scale)
 
 
 def context_parallel_attention(q, k, v, group, *, comm: str = "allgather",

@@ -1,10 +1,10 @@
-"""Context-parallel communication, each function given its cp group explicitly.
+"""Context-parallel point-to-point communication, given its cp group explicitly.
 
-    gather_from_cp   all-gather of a local tensor into (cp, ...)  <->  reduce-scatter
-                     of the gradient (every rank's queries used every rank's K/V, so
-                     the owner's dK/dV is the sum over the group)
     ring_shift       async: send a tensor to cp rank r+1, receive one from r-1 (the ring
                      attention's K/V and dK/dV steps); ``wait()`` returns what came in
+
+(The all-gather mode's collectives are issued by ``gathered.py`` itself, asynchronously,
+around the blocks they overlap.)
 """
 
 from __future__ import annotations
@@ -12,38 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel3d.distributed import all_gather_flat, check_device, reduce_scatter_flat
-
-
-def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    """(cp, *x.shape): every rank's ``x`` in cp rank order."""
-    p = dist.get_world_size(group)
-    x = x.contiguous()
-    check_device(x, group)
-    out = torch.empty((p, *x.shape), dtype=x.dtype, device=x.device)
-    all_gather_flat(out.view(-1), x.view(-1), group=group)
-    return out
-
-
-class _GatherFromCP(torch.autograd.Function):
-    """Forward: all-gather ``x`` into (cp, *x.shape). Backward: reduce-scatter of the
-    (cp, *x.shape) gradient, this rank keeping the sum of its slice."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _all_gather(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        out = torch.empty(grad.shape[1:], dtype=grad.dtype, device=grad.device)
-        reduce_scatter_flat(out.view(-1), grad.contiguous().view(-1), ctx.group)
-        return out, None
-
-
-def gather_from_cp(x: torch.Tensor, group) -> torch.Tensor:
-    """Every cp rank's ``x`` stacked (cp, *x.shape); backward reduce-scatters."""
-    return _GatherFromCP.apply(x, group)
+from parallel3d.distributed import check_device
 
 
 class _Shift:

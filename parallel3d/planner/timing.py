@@ -11,7 +11,9 @@ Per pipeline slot (one micro-batch through one stage, forward and backward)::
     cp comm   context parallelism (a rank computes its S / cp tokens: the head-tail chunks
               balance the causal attention, so the FLOPs per token stay the whole
               sequence's), per layer the K/V of the whole sequence at the rank's kv-heads:
-              "allgather" all-gathers it in F and reduce-scatters dK/dV in B, exposed;
+              "allgather" all-gathers it in F and reduce-scatters dK/dV in B, each under
+              the attention of the rank's own chunks (1 / cp of its attention, twice that
+              in B): exposed only where the collective outlasts it;
               "ring" sends cp - 1 K/V shards in F and cp - 1 K/V shards plus cp fp32 dK/dV
               shards in B, each step overlapped with that step's block attention (1 / cp
               of the rank's, twice that in B): exposed only where the message outlasts it,
@@ -172,8 +174,8 @@ def cp_layer_seconds(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: in
                      eff: Efficiency) -> tuple[float, float]:
     """(forward, backward) exposed seconds of one layer's context-parallel K/V traffic
     for one micro-batch (module docstring): the all-gather of the whole sequence's K/V
-    and the reduce-scatter of dK/dV, or the ring's steps where they outlast the block
-    attention they overlap. (0, 0) at cp 1."""
+    and the reduce-scatter of dK/dV where they outlast the own chunks' attention, or the
+    ring's steps where they outlast the block attention they overlap. (0, 0) at cp 1."""
     cp = layout.cp
     if cp == 1:
         return 0.0, 0.0
@@ -181,15 +183,15 @@ def cp_layer_seconds(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: in
     bw, lat = _links(gpu, eff, layout.tp * cp <= gpus_per_node)
     # K and V of the whole sequence at this rank's kv-heads (elements)
     kv = 2 * layout.micro_batch * work.seq_len * kv_width(model, layout.tp)
-    if layout.cp_mode(model) == "allgather":
-        return (ring_time("all_gather", kv * act, cp, bw, lat),
-                ring_time("reduce_scatter", kv * act, cp, bw, lat))
-    # ring: each step's transfer overlaps the attention of the K/V at hand, 1 / cp of
-    # the rank's attention (head-tail: two chunk blocks a step); the backward's blocks
-    # cost twice the forward's, and its last dK/dV message (to the owner) waits alone
+    # the attention of the K/V at hand, 1 / cp of the rank's (head-tail: its own two
+    # chunks, the ring's every step); the backward's blocks cost twice the forward's
     tokens = layout.micro_batch * work.seq_len // cp
     attention = 4 * work.seq_len * model.n_heads * model.head_dim * tokens / layout.tp
     step_f = attention / (gpu.peak_flops * eff.compute) / cp
+    if layout.cp_mode(model) == "allgather":  # each collective under the own chunks' blocks
+        return (max(0.0, ring_time("all_gather", kv * act, cp, bw, lat) - step_f),
+                max(0.0, ring_time("reduce_scatter", kv * act, cp, bw, lat) - 2 * step_f))
+    # ring: its last dK/dV message (to the owner) waits alone
     kv_msg = kv / cp * act / bw + lat
     dkv_msg = kv / cp * 4 / bw + lat  # fp32 accumulators
     forward = (cp - 1) * max(0.0, kv_msg - step_f)
