@@ -209,12 +209,14 @@ def worker(args) -> None:
     for r in range(args.rounds):
         row = {"load": os.getloadavg()[0]}
         for case in args.cases:
-            if case == "comm":
-                row[case] = _comm(args.steps, args.bucket_mb)
-            elif case.startswith("fsdp2"):
-                row[case] = _fsdp2(case, args.steps, args.seq)
+            kind, _, mb = case.partition("@")  # "zero2-on@0.5": that case with 0.5 MiB buckets
+            bucket_mb = float(mb) if mb else args.bucket_mb
+            if kind == "comm":
+                row[case] = _comm(args.steps, bucket_mb)
+            elif kind.startswith("fsdp2"):
+                row[case] = _fsdp2(kind, args.steps, args.seq)
             else:
-                row[case] = _ours(case, args.steps, args.bucket_mb, args.seq)
+                row[case] = _ours(kind, args.steps, bucket_mb, args.seq)
             if rank == 0:
                 print(f"round {r} {case}: {row[case]['step']:.3f} s/step, cpu {row[case]['cpu']:.3f} s/step",
                       flush=True)
@@ -263,8 +265,8 @@ def report(ranks: list[list[dict]], rate: float, seq: int = SEQ) -> None:
         print(f"bound = max(ag, fwd) + max(rs, bwd) + update: {_spread(bounds)} s/step = "
               f"{_spread([b / max(r['compute']['step'], r['comm']['step']) for b, r in zip(bounds, rounds)], '{:.2f}')}"
               " x max(compute, comm)")
-        for case in ("zero2-on",):
-            if case in cases:
+        for case in cases:
+            if case.startswith("zero2-on"):
                 print(f"{case} / bound: {_spread([r[case]['step'] / b for b, r in zip(bounds, rounds)], '{:.2f}')}")
                 cpu = [r[case]["cpu"] / max(r["compute"]["step"], r["comm"]["step"]) for r in rounds]
                 print(f"{case}'s CPU seconds per step / max(compute, comm): {_spread(cpu, '{:.2f}')} "
@@ -281,7 +283,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=2.0)
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (compute per byte sent)")
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help="comma-separated; CASE@MB runs CASE with MB MiB buckets instead of --bucket-mb")
     parser.add_argument("--mtu", type=int, default=0,
                         help="the link's MTU (both ends of each host's veth; 0: the veth default, 1500)")
     parser.add_argument("--pin", action="store_true", help="host i's process on CPU i only (taskset)")
