@@ -21,8 +21,6 @@ the keys before it, then its own causal diagonal): fewer wasted tiles on the dia
 
 from __future__ import annotations
 
-import torch
-
 from .blocks import CAUSAL, FULL, block_backward, block_forward, merge_
 from .documents import SKIP
 

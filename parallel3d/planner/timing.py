@@ -78,7 +78,7 @@ from functools import lru_cache
 
 from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_per_token,
                               mlp_matmul_params, model_flops_per_token)
-from parallel3d.planner.experts import a2a_seconds, routed_tokens, sparse_layers_of
+from parallel3d.planner.experts import a2a_seconds, sparse_layers_of
 from parallel3d.planner.hardware import GPU, Efficiency
 from parallel3d.planner.lora import adapter_params, trained_units
 from parallel3d.planner.memory import kv_width, stage_expert_params, stage_params

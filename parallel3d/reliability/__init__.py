@@ -6,10 +6,10 @@
 * :mod:`.numerics` -- the non-finite step guard (skip or stop) and the loss-spike log.
 """
 
-from .numerics import LossSpikeDetector, TrainingStopped, nonfinite_reason
+from .numerics import LossSpikeDetector, StepGuard, TrainingStopped, nonfinite_reason
 from .watch import (CommFailure, CommWatch, backend_timeout_s, comm_failures_reported,
                     enable_flight_recorder, is_comm_error, wants_watchdog)
 
-__all__ = ["CommWatch", "CommFailure", "LossSpikeDetector", "TrainingStopped", "backend_timeout_s",
+__all__ = ["CommWatch", "CommFailure", "LossSpikeDetector", "StepGuard", "TrainingStopped", "backend_timeout_s",
            "comm_failures_reported", "enable_flight_recorder", "is_comm_error", "nonfinite_reason",
            "wants_watchdog"]

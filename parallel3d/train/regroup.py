@@ -50,7 +50,7 @@ def save_for_move(trainer) -> str:
 
 # what holds a trainer's tensors and threads (its watch, config and topology stay)
 TRAINER_STATE = ("model", "loss_fn", "optimizer", "schedule", "data", "sampler", "checkpointer",
-                 "observer", "timeline", "step_hooks", "on_stop", "_pending", "_completed")
+                 "observer", "timeline", "step_hooks", "on_stop", "records")
 
 
 def release_state(trainer) -> None:

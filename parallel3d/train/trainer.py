@@ -46,19 +46,17 @@ from parallel3d.data.source_loss import SourceLossSums, source_figures
 from parallel3d.distributed import all_reduce, all_reduce_sum_max
 from parallel3d.lora import apply_lora, start_adapters_
 from parallel3d.models import model_family
-from parallel3d.observe.progress import ProgressBar, wants_bar
-from parallel3d.observe.sinks import Sinks
-from parallel3d.observe.stats import StepObserver, straggler_warning
+from parallel3d.observe.stats import StepObserver
 from parallel3d.pipeline import build_schedule
 from parallel3d.pipeline.timeline import Timeline, write_trace
-from parallel3d.reliability import CommWatch, LossSpikeDetector, TrainingStopped, nonfinite_reason
+from parallel3d.reliability import CommWatch, StepGuard, TrainingStopped
 from parallel3d.tensor_parallel.gemm_backends import prepare_linear_backends
 from parallel3d.tensor_parallel.init import materialize_
 from parallel3d.topology import Topology
 from parallel3d.train.data import build_train_data
-from parallel3d.train.metrics import MetricsLogger
 from parallel3d.train.moe import MoESteps
 from parallel3d.train.optim import autocast_for, build_optimizer, lr_at, storage_dtype
+from parallel3d.train.records import StepRecords
 from parallel3d.train.setup import check_job, check_paths, resolve_model_config
 from parallel3d.zero.memory import log_memory
 
@@ -124,16 +122,10 @@ class Trainer:
         self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
                                      global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
         self.step_hooks: list = []
-        # (record, this rank's figures) of the last step, until the next collective
-        # carries the figures of every rank; then the record goes to _completed.
-        self._pending: tuple[dict, list[float]] | None = None
-        self._completed: list[dict] = []
-        self._rank_tables: list[dict] = []  # per-rank rows of straggler checks (rank 0)
         # The group carrying the collectives inside forward/backward (tp all-reduces,
         # pipeline sends, ZeRO-2 reduce-scatters), innermost first.
         self._compute_axis = next((a for a in ("tp", "pp", "dp") if getattr(topo, a) > 1), "world")
-        self.skipped_steps = 0
-        self.spikes = LossSpikeDetector(rel.spike_factor, rel.spike_window)
+        self.guard = StepGuard(rel.on_nonfinite, rel.spike_factor, rel.spike_window, self._warn)
         # Optimizer, data position and RNG of the checkpoint being resumed; its step.
         self.step = self.checkpointer.load_training_state(self)
         # Every rank loaded before any collective bound by comm_timeout_s (and before the
@@ -142,13 +134,11 @@ class Trainer:
         if on_stop == "checkpoint":
             on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
         self.on_stop = on_stop
-        is_logger = log and topo.rank == 0
         resumed = self.checkpointer.resumed_from is not None
-        self.metrics = (MetricsLogger(Path(cfg.run.dir), cfg.to_dict(),
-                                      resume_step=self.step if resumed else None)
-                        if is_logger else None)
-        self.sinks = Sinks(cfg.observability, Path(cfg.run.dir), cfg.to_dict()) if is_logger else None
-        self._bar: ProgressBar | None = None
+        # each step's record until it is complete, and rank 0's writers (metrics.jsonl, sinks)
+        self.records = StepRecords(cfg, self.observer, self.timeline, log and topo.rank == 0,
+                                   self.step if resumed else None)
+        self.metrics = self.records.metrics
         self._memory_logged = False
 
     def train_step(self) -> dict:
@@ -203,7 +193,7 @@ class Trainer:
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens / dt, "step_time_s": dt,
                   **self.observer.throughput(dt)}
-        self._pending = (record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0, cpu))
+        self.records.hold(record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0, cpu))
         if moe_parts is not None:
             record.update(self.moe.record(moe_parts, dt))
         if source_part is not None:
@@ -250,7 +240,7 @@ class Trainer:
         # the tp ranks of the last stage hold the same loss: the first one counts it
         loss_share = loss_part if topo.tp_rank == 0 else torch.zeros_like(loss_part)
         head = torch.stack([norm_share.reshape(()), loss_share.reshape(())]).double().to(self.device)
-        previous = self._pending
+        previous = self.records.pending
         figures, maxes = self.observer.payload(previous[1] if previous else None)
         extra_sums = [extra[k].reshape(1).to(head) for k in ("aux_loss", "dropped")] if extra else []
         extra_max = [extra[k].reshape(1).to(head) for k in ("imbalance", "all_to_all_s")] if extra else []
@@ -271,31 +261,17 @@ class Trainer:
         else:
             sums = sums[2:]
         if previous is not None:
-            self._complete(previous[0], self.observer.summary(sums, maxes))
+            self.records.complete(self.observer.summary(sums, maxes))
         return head[0].sqrt(), float(head[1] / topo.dp_cp)  # each dp x cp replica's share
-
-    def _complete(self, record: dict, summary: dict) -> None:
-        """Add the every-rank figures to ``record``; every ``straggler_interval`` steps,
-        also the stragglers (per-rank rows gathered to rank 0 only, for ranks.jsonl)."""
-        record.update(summary)
-        checked = self.observer.check_stragglers(record["step"])
-        if checked is not None:
-            record["stragglers"], table = checked
-            self._rank_tables.append({"step": record["step"], "ranks": table})
-        self._pending = None
-        self._completed.append(record)
 
     def finish_records(self) -> None:
         """Complete the last step's record by a collective of its own (every rank calls
         it: at the end of a run, before a checkpoint)."""
-        if self._pending is not None:
-            record, row = self._pending
-            self._complete(record, self.observer.gather(row))
+        self.records.finish()
 
     def completed_records(self) -> list[dict]:
         """Records completed since the last call (no collective)."""
-        done, self._completed = self._completed, []
-        return done
+        return self.records.take()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -336,32 +312,13 @@ class Trainer:
             finish()
 
     def _check_numbers(self, loss: float, grad_norm: float) -> dict:
-        """Skip or stop on a non-finite step, flag a loss spike (same on every rank: the
-        loss and the norm are all-reduced values)."""
-        reason = nonfinite_reason(loss, grad_norm)
-        spike_mean = None if reason else self.spikes.update(loss)
-        if reason:
-            self.skipped_steps += 1
-            if self.cfg.reliability.on_nonfinite == "stop":
-                saved = ""
-                if self.on_stop is not None:
-                    self.on_stop(self)
-                    saved = " (saved by the checkpoint hook)"
-                raise TrainingStopped(
-                    f"step {self.step}: non-finite {reason}; stopped with the weights after step "
-                    f"{self.step - 1}{saved} (reliability.on_nonfinite=stop): lower train.lr, "
-                    "check the data, or set reliability.on_nonfinite=skip")
-            self._warn(f"step {self.step}: non-finite {reason}: update skipped "
-                       f"({self.skipped_steps} skipped so far)")
-        elif spike_mean is not None:
-            g = self.cfg.train.global_batch
-            start = (self.step - 1) * g
-            self._warn(f"step {self.step}: loss spike {loss:.4f} > {self.spikes.factor:g} x "
-                       f"{spike_mean:.4f} (mean of the previous {len(self.spikes.recent) - 1} steps); "
-                       f"batch = global sample positions [{start}, {start + g}), epoch "
-                       f"{start // self.data.windows.num_samples}")
-        return {"skipped": reason is not None, "skipped_steps": self.skipped_steps,
-                "loss_spike": spike_mean is not None}
+        """Skip or stop on a non-finite step, flag a loss spike (``reliability.StepGuard``)."""
+        g = self.cfg.train.global_batch
+        start = (self.step - 1) * g
+        batch = (f"; batch = global sample positions [{start}, {start + g}), epoch "
+                 f"{start // self.data.windows.num_samples}")
+        on_stop = None if self.on_stop is None else (lambda: self.on_stop(self))
+        return self.guard.check(self.step, loss, grad_norm, on_stop, batch)
 
     def _warn(self, message: str) -> None:
         if self.topo.rank == 0:
@@ -383,30 +340,27 @@ class Trainer:
     def run_steps(self, end: int) -> list[dict]:
         """Train up to step ``end`` and return the records of the steps run; the run stays
         open (:meth:`close` ends it), so a caller can act between steps (the autopilot)."""
-        history = []
-        if self._bar is None and self.metrics is not None and wants_bar(self.cfg.observability.progress):
-            self._bar = ProgressBar(self.cfg.train.steps)
-        bar = self._bar
+        history, records = [], self.records
+        records.open_bar()
         while self.step < end:
             try:
                 record = self.train_step()
             except TrainingStopped:
-                self._report(self.completed_records(), bar)  # what finished before the stop
+                records.report(records.take())  # what finished before the stop
                 raise
             interval = self.cfg.eval.interval
             if interval and record["step"] % interval == 0:
                 record["val_loss"] = self.evaluate()
                 record.update(self.evaluate_sources())
             history.append(record)
-            if self.metrics is not None:
-                self._show(record, bar)
+            records.show(record)
             if not self._memory_logged:  # every buffer exists after this trainer's first step
                 self._memory_logged = True
                 log_memory(self.model, self.optimizer, self.topo,
                            Path(self.cfg.run.dir) if self.metrics is not None else None, self.cfg.parallel.zero)
             if self.checkpointer.due(self):
-                self.finish_records()  # metrics.jsonl holds every step the checkpoint covers
-            self._report(self.completed_records(), bar)
+                records.finish()  # metrics.jsonl holds every step the checkpoint covers
+            records.report(records.take())
             if self.checkpointer.due(self):
                 self.watch.pause("checkpoint save")  # its own gloo group raises on a hang
                 self.checkpointer.maybe_save(self)
@@ -414,13 +368,11 @@ class Trainer:
 
     def flush_records(self) -> None:
         """Complete the last step's record and write every completed one (collective)."""
-        self.finish_records()
-        self._report(self.completed_records(), self._bar)
+        self.records.flush()
 
     def log_event(self, event: dict) -> None:
         """A record that is not a step (the autopilot's decisions) into metrics.jsonl."""
-        if self.metrics is not None:
-            self.metrics.log(event)
+        self.records.log_event(event)
 
     def close(self, finished: bool | None = None) -> None:
         """End the run: the last records, the final checkpoint and export when the run
@@ -441,36 +393,6 @@ class Trainer:
         """Let go of what this trainer holds open (the data loader's thread, the metrics
         files, the progress bar) without the end-of-run work; the process groups stay."""
         self.data.loader.close()
-        if self.metrics is not None:
-            if self._bar is not None:
-                self._bar.close()
-                self._bar = None
-            self.metrics.close()
-            self.sinks.close()
+        self.records.close()
         if close_watch:
             self.watch.close()
-
-    def _show(self, record: dict, bar: ProgressBar | None) -> None:
-        """Rank 0, as the step ends: the progress bar, or the console line every
-        ``log_interval`` steps and at the last."""
-        step = record["step"]
-        if bar is not None:
-            bar.update(record)
-        elif step % self.cfg.train.log_interval == 0 or step == self.cfg.train.steps:
-            own_wait = self.timeline.step_breakdown().get("data", 0.0)
-            self.metrics.show(record, data_wait_s=own_wait)
-
-    def _report(self, records: list[dict], bar: ProgressBar | None) -> None:
-        """Rank 0, once records are complete: metrics.jsonl, the sinks, straggler warnings."""
-        if self.metrics is None:
-            return
-        for table in self._rank_tables:
-            self.metrics.log_ranks(table)
-        self._rank_tables = []
-        for record in records:
-            self.metrics.log(record)
-            self.sinks.log(record)
-            if bar is not None:
-                bar.complete(record)  # its memory, for the next lines
-            for s in record.get("stragglers", []):  # printed above the bar (it holds the streams)
-                print(straggler_warning(s, self.cfg.observability.straggler_factor), file=sys.stderr, flush=True)
