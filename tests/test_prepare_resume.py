@@ -5,7 +5,6 @@ an uninterrupted preparation byte for byte."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

@@ -409,7 +409,7 @@ def _losses_and_wire(job: dict) -> tuple[list[float], list[tuple[str, int]]]:
     from parallel3d.zero import grads
 
     sent, init = [], grads._Reduction.__init__
-    reduce_scatter, all_reduce = grads.reduce_scatter_flat, grads.dist.all_reduce
+    reduce_scatter = grads.reduce_scatter_flat
 
     def counting_scatter(out, flat, group, async_op=False):
         sent.append((str(flat.dtype), flat.numel() * flat.element_size()))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from parallel3d.config import DataConfig, JobConfig, ModelConfig
+from parallel3d.config import DataConfig, JobConfig
 from parallel3d.errors import UserError
 from parallel3d.model_config import resolve_model_config  # noqa: F401 - re-exported
 from parallel3d.lora.apply import lora_problems

@@ -98,7 +98,7 @@ class LegacyNaming:
         self.first = [0]  # first global layer of each stage
         for stage in layers[:-1]:
             self.first.append(self.first[-1] + len(stage))
-        self.dtype = store.tensors[f"0/0:embedding.word_embeddings.weight"].dtype
+        self.dtype = store.tensors["0/0:embedding.word_embeddings.weight"].dtype
 
     def _raw(self, t: int, p: int, name: str) -> str:
         key = f"{t}/{p}:{name}"
