@@ -22,12 +22,12 @@ STEPS = 14
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _job(corpus_dir, run_dir, tp, dp, **autopilot) -> dict:
+def _job(corpus_dir, run_dir, tp, dp, cp=1, **autopilot) -> dict:
     # decide at step 2 + 4 = 6, check the move at 12; move_cost_s: a 14-step run cannot
     # pay the estimated cost of a move (the first build's seconds), which is not what
     # these tests are about (test_fitted.py tests that rule)
     return tiny_job(corpus_dir, str(run_dir), train={"steps": STEPS, "autopilot": True},
-                    parallel={"tp": tp, "pp": 1, "dp": dp, "sequence_parallel": tp > 1, "zero": 1},
+                    parallel={"tp": tp, "pp": 1, "dp": dp, "cp": cp, "sequence_parallel": tp > 1, "zero": 1},
                     autopilot={"skip_steps": 2, "measure_steps": 4, "move_cost_s": 1e-3, **autopilot},
                     observability={"progress": "off"})
 
@@ -52,7 +52,7 @@ def _autopilot(job: dict, fail_move: bool = False) -> list[float]:
 
     def make(c, topo):
         return Trainer(c, topo)
-    trainer, build_s = timed_trainer(lambda: make(cfg, Topology(par["tp"], par["pp"], par["dp"])))
+    trainer, build_s = timed_trainer(lambda: make(cfg, Topology.of(cfg.parallel)))
     return [r["loss"] for r in fit_with_autopilot(trainer, make, build_s)]
 
 
@@ -82,6 +82,23 @@ def test_a_tp2_job_moves_inside_its_processes_and_keeps_every_loss(pools, corpus
     index = json.loads((tmp_path / "run" / "checkpoints" / "step_00000006" / "index.json").read_text())
     assert (index["layout"]["tp"], index["layout"]["dp"]) == (2, 2)
     # fp32: other layouts add the same products in another order; 1e-5 is the parity bar
+    assert relative_diff(losses, _reference(job)) < 1e-5
+
+
+def test_a_context_parallel_job_moves_across_cp_and_keeps_every_loss(pools, corpus_dir, tmp_path):
+    """cp 2 x dp 2: the fitted model counts the rank's half of each sequence and the K/V
+    all-gathers of every layer (on gloo a collective step costs ~1 ms): a cp 1 layout wins,
+    the move reshards across cp inside the processes, and every loss is one process's."""
+    job = _job(corpus_dir, tmp_path / "run", tp=1, dp=2, cp=2)
+    losses = pools(4).run(_autopilot, job, timeout=600)[0]
+    events = _events(tmp_path / "run")
+    first = events[0]
+    assert first["action"] == "move" and first["step"] == 6, first
+    assert first["from"].startswith("tp1 cp2 pp1 dp2") and " cp" not in first["to"], first
+    assert events[1]["action"] == "move done" and events[2]["action"] in ("confirmed", "move back")
+    index = json.loads((tmp_path / "run" / "checkpoints" / "step_00000006" / "index.json").read_text())
+    assert (index["layout"]["cp"], index["layout"]["dp"]) == (2, 2)
+    assert _steps(tmp_path / "run") == list(range(1, STEPS + 1))
     assert relative_diff(losses, _reference(job)) < 1e-5
 
 

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from parallel3d.autopilot.decide import decide, options
@@ -48,6 +50,46 @@ def test_pipeline_sends_and_zero0_all_reduce_counted_by_hand():
     assert first.kind_bytes["pp"] == 4 * ACT
     # stage 0: base + 1 layer; stage 1: base + 1 layer + head (tp 1), 2 micro-batches
     assert first.compute_s == pytest.approx(2 * 5 * MS) and last.compute_s == pytest.approx(2 * 8 * MS)
+
+
+def test_context_parallel_work_counted_by_hand():
+    # cp 2 x dp 2, 2 micro-batches of 2 x 32 tokens a rank (8 / 2 / 2), 16 tokens of each
+    # sequence on a rank: the compute is half the probe's whole-sequence cost, (1 + 2 x 4 +
+    # 3) / 2 ms a micro-batch; the gradient buckets go over dp x cp = 4 (ZeRO 1: one
+    # reduce-scatter and one all-gather, 3 steps each)
+    layout = Layout(tp=1, pp=1, dp=2, cp=2, micro_batch=2, zero=1)
+    (stage,) = rank_work(WORK, layout, COMPUTE)
+    assert stage.compute_s == pytest.approx(2 * 12 / 2 * MS)
+    kv = 2 * 2 * 32 * (2 * 16) * 4  # K and V of the whole sequences: 2 x mb x S x (2 kv-heads x 16) fp32
+    # grouped-query attention: the all-gather mode, per layer and micro-batch one
+    # all-gather and one reduce-scatter over cp 2, each moving half of it
+    assert layout.cp_mode(MODEL) == "allgather"
+    assert stage.counts == {"cp": 2 * 2 * 2, "dp": 6}
+    assert stage.kind_bytes["cp"] == pytest.approx(2 * 2 * 2 * kv / 2)
+    # the ring: per layer and micro-batch one K/V send forward, one backward and cp = 2
+    # fp32 dK/dV sends, each a shard (half) of the K/V
+    (ring,) = rank_work(WORK, replace(layout, cp_comm="ring"), COMPUTE)
+    assert ring.counts["cp"] == 2 * 2 * (1 + 1 + 2)
+    assert ring.kind_bytes["cp"] == pytest.approx(2 * 2 * (1 + 1 + 2) * kv / 2)
+    # full recomputation runs the forward's all-gather again
+    (full,) = rank_work(WORK, replace(layout, recompute="full"), COMPUTE)
+    assert full.counts["cp"] == 2 * 2 * 3
+    # tensor parallelism inside a cp rank: its collectives carry the rank's 16 tokens
+    (tp_cp,) = rank_work(WORK, Layout(tp=2, pp=1, dp=1, cp=2, micro_batch=2, zero=1), COMPUTE)
+    (tp_only,) = rank_work(WORK, Layout(tp=2, pp=1, dp=1, cp=1, micro_batch=2, zero=1), COMPUTE)
+    assert tp_cp.kind_bytes["tp"] == pytest.approx(tp_only.kind_bytes["tp"] / 2)
+
+
+def test_a_context_parallel_job_is_ranked_against_other_cp_degrees():
+    """The autopilot's candidates for a cp job include other cp degrees (cp 1, 2 and 4 of
+    4 ranks: 32 tokens split into 2 cp chunks), and for a job without cp on short
+    sequences only cp 1."""
+    budget = 10**12
+    current = Layout(tp=1, pp=1, dp=2, cp=2, micro_batch=2, zero=1)
+    cps = {o.layout.cp for o in options(WORK, current, terms(), 4, budget, 0.1)}
+    assert cps == {1, 2, 4}
+    plain = Layout(tp=1, pp=1, dp=4, micro_batch=2, zero=1)
+    assert {o.layout.cp for o in options(WORK, plain, terms(), 4, budget, 0.1)} == {1}
 
 
 def test_a_shared_host_divides_the_work_by_the_cores_the_job_gets():

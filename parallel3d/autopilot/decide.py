@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from parallel3d.planner.fitted import FittedTerms, Measured, Prediction, predict
 from parallel3d.planner.hardware import FRAGMENTATION
 from parallel3d.planner.memory import memory_per_stage
-from parallel3d.planner.search import valid_layouts
+from parallel3d.planner.search import CP_MIN_SEQ_LEN, valid_layouts
 from parallel3d.planner.spec import Layout, Workload
 
 GiB = 2**30
@@ -105,11 +105,12 @@ def _ranked(found) -> list[Option]:
 
 
 def rank_layouts(work: Workload, world: int, micro_batch: int, terms: FittedTerms, ranks_per_host: int,
-                 budget_bytes: int, margin: float, valid=lambda layout: True) -> list[Option]:
-    """Every valid layout of ``world`` ranks at ``micro_batch``, fitting ones first by
-    predicted step (ties to the one needing less memory)."""
+                 budget_bytes: int, margin: float, valid=lambda layout: True, with_cp: bool = False) -> list[Option]:
+    """Every valid layout of ``world`` ranks at ``micro_batch`` (context-parallel degrees
+    too ``with_cp``), fitting ones first by predicted step (ties to the one needing less
+    memory)."""
     found = {}
-    for layout in valid_layouts(work, world, ranks_per_host, {"micro_batch": micro_batch}):
+    for layout in valid_layouts(work, world, ranks_per_host, {"micro_batch": micro_batch}, with_cp=with_cp):
         if layout not in found and valid(layout):
             found[layout] = _option(work, layout, terms, ranks_per_host, budget_bytes * (1 - margin))
     return _ranked(found.values())
@@ -117,9 +118,12 @@ def rank_layouts(work: Workload, world: int, micro_batch: int, terms: FittedTerm
 
 def options(work: Workload, current: Layout, terms: FittedTerms, ranks_per_host: int, budget_bytes: int,
             margin: float, valid=lambda layout: True) -> list[Option]:
-    """Every candidate (the current layout among them), fitting ones first by predicted step."""
+    """Every candidate (the current layout among them), fitting ones first by predicted
+    step; context-parallel degrees among them when the job runs one, or its sequences are
+    as long as the planner's search takes cp for."""
+    with_cp = current.cp > 1 or work.seq_len >= CP_MIN_SEQ_LEN
     found = rank_layouts(work, current.world_size, current.micro_batch, terms, ranks_per_host, budget_bytes,
-                         margin, valid)
+                         margin, valid, with_cp)
     if not any(_same(o.layout, current) for o in found):  # e.g. pp_layers set by hand
         mine = _option(work, current, terms, ranks_per_host, budget_bytes * (1 - margin))
         mine.fits = True  # it runs

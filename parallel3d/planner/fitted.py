@@ -38,8 +38,11 @@ On a host with more ranks than cores the second bound rules: a rank waiting in a
 collective or a pipeline bubble frees its core for another, so a bubble costs little and
 every collective costs the CPU time it takes. On dedicated devices (GPUs) only the first
 applies. The collective counts per layout are those of this repository's layers
-(:func:`rank_work`); they are what a measured step is fitted against, so a layout's
-prediction shares the measured layout's errors only through the fitted terms.
+(:func:`rank_work`, context parallelism included: a cp rank's S / cp tokens, its comm
+mode's K/V traffic); they are what a measured step is fitted against, so a layout's
+prediction shares the measured layout's errors only through the fitted terms. Expert
+parallelism is not modelled here: an MoE layer's experts and all-to-alls count as a dense
+layer's compute.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from parallel3d.flops import layer_forward_flops_per_token
 from parallel3d.planner.memory import BUCKET_BYTES, stage_params
 from parallel3d.planner.overlap import gather_wait, reduce_tail
-from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
+from parallel3d.planner.spec import Layout, Workload, kv_width, layer_split, rank_chunks
 
 
 VISIBLE = 0.1  # share of forward/backward the collectives must take for their cost to be fitted
@@ -159,6 +162,24 @@ def _add(work: StageWork, kind: str, ops: float, group: int, nbytes: float, all_
     work.kind_bytes[kind] = work.kind_bytes.get(kind, 0.0) + moved
 
 
+def _cp_traffic(w: StageWork, work: Workload, layout: Layout, layer_passes: int) -> None:
+    """``layer_passes`` (micro-batches x layers) of context-parallel K/V traffic: K and V
+    of the whole sequence at the rank's kv-heads; "allgather": an all-gather forward and a
+    reduce-scatter of dK/dV backward; "ring": cp - 1 sends of a rank's K/V forward, cp - 1
+    more and cp fp32 dK/dV sends backward. Full recomputation runs the forward's again."""
+    cp = layout.cp
+    if cp == 1:
+        return
+    kv = 2 * layout.micro_batch * work.seq_len * kv_width(work.model, layout.tp) * work.bytes["act"]
+    forwards = 2 if layout.recompute == "full" else 1
+    if layout.cp_mode(work.model) == "allgather":
+        _add(w, "cp", layer_passes * (forwards + 1), cp, kv)
+        return
+    shard = kv / cp
+    _add(w, "cp", layer_passes * (cp - 1) * (forwards + 1), 2, 2 * shard)  # a send moves it whole
+    _add(w, "cp", layer_passes * cp, 2, 2 * shard / work.bytes["act"] * 4)
+
+
 def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | None,
               bucket_bytes: int = BUCKET_BYTES) -> list[StageWork]:
     """Per pipeline rank: compute seconds (from ``compute``, None: zero) and collectives.
@@ -168,12 +189,19 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
     1 (2 under sequence parallelism); the head 2 all-reduces of the loss and 1 (2) for its
     input. Pipeline: a send and a receive each way across every chunk boundary. Data
     parallel, per bucket: ZeRO 0 an all-reduce, 1 and 2 a reduce-scatter and the
-    parameters' all-gather; a tied embedding at pp > 1 one all-reduce of its gradient."""
-    model, seq = work.model, work.seq_len
+    parameters' all-gather; a tied embedding at pp > 1 one all-reduce of its gradient.
+
+    Context parallelism: a rank holds S / cp tokens of each sequence, so its activations,
+    tp collectives and pipeline sends carry S / cp tokens, and its compute is 1 / cp of the
+    whole sequence's (the probe's, at S: head-tail chunks give every rank the same share of
+    the causal attention, and the rest is per token); each layer adds the K/V traffic of
+    its comm mode (:func:`_cp_traffic`); gradients and ZeRO go over dp x cp."""
+    model, seq, cp = work.model, work.seq_len, layout.cp
     split = layer_split(model, layout.pp, layout.virtual_stages)
     m, tp, sp = layout.n_micro(work), layout.tp, layout.sequence_parallel
-    act = layout.micro_batch * seq * model.dim * work.bytes["act"]
+    act = layout.micro_batch * seq // cp * model.dim * work.bytes["act"]
     scale = _recompute_scale(model, seq, layout.recompute)
+    replicas = layout.dp * cp  # the gradient reduction's group
     cost = (compute or {}).get(tp)
     out = []
     for r in range(layout.pp):
@@ -182,28 +210,29 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
         for c in chunks:
             first, last, layers = c == 0, c == layout.chunks - 1, split[c]
             if cost is not None:
-                w.compute_s += m * (cost.base + layers * scale * cost.layer + (cost.head if last else 0.0))
+                w.compute_s += m * (cost.base + layers * scale * cost.layer + (cost.head if last else 0.0)) / cp
             # under sequence parallelism each gather / reduce-scatter moves (g-1)/g of the
             # full activation, twice as many of them as the all-reduces (2 (g-1)/g) without
             _add(w, "tp", m * layers * (8 if sp else 4), tp, act, all_reduce=not sp)
             if first:
                 _add(w, "tp", m * (2 if sp else 1), tp, act, all_reduce=not sp)
             if last:  # the loss: the row maxima, then the sums of exponentials and target logits
-                _add(w, "tp", m, tp, 4.0 * layout.micro_batch * seq, all_reduce=True)
-                _add(w, "tp", m, tp, 8.0 * layout.micro_batch * seq, all_reduce=True)
+                _add(w, "tp", m, tp, 4.0 * layout.micro_batch * seq / cp, all_reduce=True)
+                _add(w, "tp", m, tp, 8.0 * layout.micro_batch * seq / cp, all_reduce=True)
                 _add(w, "tp", m * (2 if sp else 1), tp, act, all_reduce=not sp)
             boundaries = (not first) + (not last)
             _add(w, "pp", m * 2 * boundaries, 2, act / (tp if sp else 1) * 2)  # a send moves it whole
+            _cp_traffic(w, work, layout, m * layers)
         n_params = stage_params(model, layout, r, split)[0]
-        w.opt_elements = n_params / (layout.dp if layout.zero >= 1 else 1)
+        w.opt_elements = n_params / (replicas if layout.zero >= 1 else 1)
         grad_bytes = 4 * n_params
         buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
         if layout.zero == 0:
-            _add(w, "dp", buckets, layout.dp, grad_bytes / buckets, all_reduce=True)
+            _add(w, "dp", buckets, replicas, grad_bytes / buckets, all_reduce=True)
         else:
-            _add(w, "dp", buckets, layout.dp, grad_bytes / buckets)
+            _add(w, "dp", buckets, replicas, grad_bytes / buckets)
             steps, moved = w.steps, w.bytes
-            _add(w, "dp", 1, layout.dp, n_params * work.bytes["weight"])
+            _add(w, "dp", 1, replicas, n_params * work.bytes["weight"])
             w.gather_steps, w.gather_bytes = w.steps - steps, w.bytes - moved
         w.dp_buckets = buckets
         if layout.pp > 1 and model.tie_embeddings and (r == 0 or r == layout.pp - 1):
@@ -248,7 +277,7 @@ def dp_hidden_s(stage: StageWork, layout: Layout, terms: FittedTerms, m: int) ->
 
 
 def predict(work: Workload, layout: Layout, terms: FittedTerms, ranks_per_host: int) -> Prediction:
-    """The step of ``layout`` under ``terms`` (every stage has tp * dp ranks alike); on
+    """The step of ``layout`` under ``terms`` (every stage has tp * cp * dp ranks alike); on
     dedicated devices the data-parallel traffic the compute hides is off the critical path
     (:func:`dp_hidden_s`)."""
     stages = rank_work(work, layout, terms.compute)
@@ -260,10 +289,12 @@ def predict(work: Workload, layout: Layout, terms: FittedTerms, ranks_per_host: 
     speed = delivered / (per_host * terms.threads) * terms.threads  # cores a rank's threads get
     path = max(works) / speed
     if terms.wire > 0 and layout.world_size > ranks_per_host:
-        # ranks are laid out tp innermost, pp outermost: a dp group leaves the host when
-        # tp * dp exceeds it, pipeline neighbours (tp * dp apart) when a host holds less
-        # than a pipeline's ranks; those bytes cross the wire on the critical path
-        crossing = [k for k, spans in (("dp", layout.tp * layout.dp > ranks_per_host),
+        # ranks are laid out tp innermost, then cp, pp outermost: a cp group leaves the
+        # host when tp * cp exceeds it, a dp group when tp * cp * dp does, pipeline
+        # neighbours when a host holds less than a pipeline's ranks; those bytes cross the
+        # wire on the critical path
+        inner = layout.tp * layout.cp
+        crossing = [k for k, spans in (("cp", inner > ranks_per_host), ("dp", inner * layout.dp > ranks_per_host),
                                         ("pp", layout.pp > 1)) if spans]
         path += terms.wire * max(sum(s.kind_bytes.get(k, 0.0) for k in crossing) for s in stages)
     if layout.pp > 1:  # fill and drain: (pp - 1) / v slots of the slowest stage
@@ -273,7 +304,7 @@ def predict(work: Workload, layout: Layout, terms: FittedTerms, ranks_per_host: 
     if terms.shared:
         # a host holds ranks_per_host ranks; stages alternate over hosts (pp outermost), so
         # a host's mix is the mean over stages when it holds several, else its own stage
-        stage_ranks = layout.tp * layout.dp
+        stage_ranks = layout.tp * layout.cp * layout.dp
         mean = sum(works) / len(works) if per_host >= stage_ranks else max(works)
         host = per_host * mean / delivered
     return Prediction(step_s=max(path, host), path_s=path, host_s=host, stages=stages)
