@@ -9,6 +9,7 @@ import pytest
 
 from parallel3d.autopilot.decide import decide, options
 from parallel3d.models.llama import LlamaConfig
+from parallel3d.models.moe import MoEConfig
 from parallel3d.planner.fitted import ChunkCost, FittedTerms, Measured, fit_terms, predict, rank_work
 from parallel3d.planner.hardware import FRAGMENTATION
 from parallel3d.planner.memory import memory_per_stage
@@ -78,6 +79,28 @@ def test_context_parallel_work_counted_by_hand():
     (tp_cp,) = rank_work(WORK, Layout(tp=2, pp=1, dp=1, cp=2, micro_batch=2, zero=1), COMPUTE)
     (tp_only,) = rank_work(WORK, Layout(tp=2, pp=1, dp=1, cp=1, micro_batch=2, zero=1), COMPUTE)
     assert tp_cp.kind_bytes["tp"] == pytest.approx(tp_only.kind_bytes["tp"] / 2)
+
+
+def test_expert_parallel_work_counted_by_hand():
+    # 2 layers, the second sparse (8 experts of ffn 48, top 2); dp 4 x ep 2, one
+    # micro-batch of 2 x 32 tokens a rank (8 / 4 / 2): the sparse layer's 4 all-to-alls
+    # (dispatch, combine, both gradients), each a count exchange and one of 64 x 2 rows of
+    # dim 64 fp32, of which half leave the rank: (2 - 1) steps each
+    moe = MoEConfig(n_experts=8, top_k=2, ffn_dim=48, dense_layers=(0,))
+    work = Workload(LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160, moe=moe),
+                    seq_len=32, global_batch=8, dtype="fp32")
+    layout = Layout(tp=1, pp=1, dp=4, ep=2, micro_batch=2, zero=1)
+    (stage,) = rank_work(work, layout, COMPUTE)
+    assert stage.counts["ep"] == 4 * 2
+    assert stage.kind_bytes["ep"] == pytest.approx(4 * 64 * 2 * 64 * 4 / 2)
+    # the rank's 4 of 8 experts (3 x 64 x 48 each) reduce over dp / ep = 2 ranks, the rest
+    # over 4: ZeRO 1, a reduce-scatter and an all-gather in each group
+    experts = 4 * 3 * 64 * 48
+    assert stage.counts["dp"] == 2 * (4 - 1) + 2 * (2 - 1)
+    dense = rank_work(work, replace(layout, ep=1), COMPUTE)[0]
+    total = dense.opt_elements * 4  # every parameter of the ep 1 rank, stepped over 4
+    assert stage.opt_elements == pytest.approx((total - 8 * 3 * 64 * 48) / 4 + experts / 2)
+    assert "ep" not in dense.counts
 
 
 def test_a_context_parallel_job_is_ranked_against_other_cp_degrees():

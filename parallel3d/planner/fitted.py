@@ -41,8 +41,10 @@ applies. The collective counts per layout are those of this repository's layers
 (:func:`rank_work`, context parallelism included: a cp rank's S / cp tokens, its comm
 mode's K/V traffic); they are what a measured step is fitted against, so a layout's
 prediction shares the measured layout's errors only through the fitted terms. Expert
-parallelism is not modelled here: an MoE layer's experts and all-to-alls count as a dense
-layer's compute.
+parallelism: each sparse layer's all-to-alls of routed rows, and the experts' gradients
+reduced over the dp x cp ranks that hold the same experts; the compute probe measures
+dense layers (a rank computes its own tokens' share of the experts at any ep), so an MoE
+model's compute is as good as that stand-in.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ import math
 from dataclasses import dataclass, field, replace
 
 from parallel3d.flops import layer_forward_flops_per_token
-from parallel3d.planner.memory import BUCKET_BYTES, stage_params
+from parallel3d.planner.experts import routed_tokens, sparse_layers_of
+from parallel3d.planner.memory import BUCKET_BYTES, stage_expert_params, stage_params
 from parallel3d.planner.overlap import gather_wait, reduce_tail
 from parallel3d.planner.spec import Layout, Workload, kv_width, layer_split, rank_chunks
 
@@ -180,6 +183,20 @@ def _cp_traffic(w: StageWork, work: Workload, layout: Layout, layer_passes: int)
     _add(w, "cp", layer_passes * cp, 2, 2 * shard / work.bytes["act"] * 4)
 
 
+def _ep_traffic(w: StageWork, work: Workload, layout: Layout, sparse_passes: int) -> None:
+    """``sparse_passes`` (micro-batches x sparse layers) of expert-parallel all-to-alls:
+    dispatch and combine forward and backward (and the forward's again under full
+    recomputation), each the routed-row counts then ``tokens x top_k`` rows of ``dim``,
+    of which (ep - 1) / ep leave the rank."""
+    if layout.ep == 1 or sparse_passes == 0:
+        return
+    model = work.model
+    tokens = routed_tokens(layout, layout.micro_batch * work.seq_len // layout.cp)
+    exchanges = sparse_passes * (6 if layout.recompute == "full" else 4)
+    _add(w, "ep", exchanges, layout.ep, 0.0)  # the counts
+    _add(w, "ep", exchanges, layout.ep, tokens * model.moe.top_k * model.dim * work.bytes["act"])
+
+
 def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | None,
               bucket_bytes: int = BUCKET_BYTES) -> list[StageWork]:
     """Per pipeline rank: compute seconds (from ``compute``, None: zero) and collectives.
@@ -195,7 +212,12 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
     tp collectives and pipeline sends carry S / cp tokens, and its compute is 1 / cp of the
     whole sequence's (the probe's, at S: head-tail chunks give every rank the same share of
     the causal attention, and the rest is per token); each layer adds the K/V traffic of
-    its comm mode (:func:`_cp_traffic`); gradients and ZeRO go over dp x cp."""
+    its comm mode (:func:`_cp_traffic`); gradients and ZeRO go over dp x cp.
+
+    Expert parallelism: per sparse layer and micro-batch 4 all-to-alls (6 with full
+    recomputation), each a count exchange and one of ``tokens x top_k`` rows of ``dim``;
+    the routed experts' gradients reduce over dp x cp / ep (the ranks holding the same
+    experts), the rest over dp x cp."""
     model, seq, cp = work.model, work.seq_len, layout.cp
     split = layer_split(model, layout.pp, layout.virtual_stages)
     m, tp, sp = layout.n_micro(work), layout.tp, layout.sequence_parallel
@@ -223,18 +245,25 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
             boundaries = (not first) + (not last)
             _add(w, "pp", m * 2 * boundaries, 2, act / (tp if sp else 1) * 2)  # a send moves it whole
             _cp_traffic(w, work, layout, m * layers)
+            _ep_traffic(w, work, layout, m * sparse_layers_of(model, split, [c]))
         n_params = stage_params(model, layout, r, split)[0]
-        w.opt_elements = n_params / (replicas if layout.zero >= 1 else 1)
-        grad_bytes = 4 * n_params
-        buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
-        if layout.zero == 0:
-            _add(w, "dp", buckets, replicas, grad_bytes / buckets, all_reduce=True)
-        else:
-            _add(w, "dp", buckets, replicas, grad_bytes / buckets)
-            steps, moved = w.steps, w.bytes
-            _add(w, "dp", 1, replicas, n_params * work.bytes["weight"])
-            w.gather_steps, w.gather_bytes = w.steps - steps, w.bytes - moved
-        w.dp_buckets = buckets
+        experts = stage_expert_params(model, layout, r, split)
+        groups = [(n_params - experts, replicas), (experts, replicas // layout.ep)]
+        w.opt_elements = sum(n / (g if layout.zero >= 1 else 1) for n, g in groups)
+        for n, group in groups:
+            if n == 0:
+                continue
+            grad_bytes = 4 * n
+            buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
+            w.dp_buckets += buckets
+            if layout.zero == 0:
+                _add(w, "dp", buckets, group, grad_bytes / buckets, all_reduce=True)
+            else:
+                _add(w, "dp", buckets, group, grad_bytes / buckets)
+                steps, moved = w.steps, w.bytes
+                _add(w, "dp", 1, group, n * work.bytes["weight"])
+                w.gather_steps += w.steps - steps
+                w.gather_bytes += w.bytes - moved
         if layout.pp > 1 and model.tie_embeddings and (r == 0 or r == layout.pp - 1):
             _add(w, "dp", 1, 2, model.vocab_size * model.dim // tp * 4, all_reduce=True)
         out.append(w)
