@@ -67,10 +67,10 @@ def _forward(q, own_kv, gathered, docs, scale, cp: int, cp_rank: int):
 
 
 def _backward(q, kv, o, lse, d_out, docs, scale, cp: int, cp_rank: int, reduce_scatter):
-    """(dq, dK/dV of the own chunks (2, B, Hkv, S_l, D)) fp32: the other chunks' blocks
-    first, their dK/dV (2, B, Hkv, S, D; zero on the own chunks) handed to
-    ``reduce_scatter``, whose ``wait()`` gives the own chunks' sum over the ranks, then
-    the own chunks' blocks under it."""
+    """(dq, dK/dV of the own chunks (2, B, Hkv, S_l, D) fp32, the handle): the other
+    chunks' blocks first, their dK/dV (2, B, Hkv, S, D; zero on the own chunks) handed to
+    ``reduce_scatter``, whose handle's ``wait()`` gives what the other ranks add to the
+    own chunks, then the own chunks' blocks under it."""
     own, others = gathered_spans(cp, cp_rank)
     d_out = d_out.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -80,15 +80,18 @@ def _backward(q, kv, o, lse, d_out, docs, scale, cp: int, cp_rank: int, reduce_s
     own_kv = shard_sequence(kv, cp, cp_rank, dim=3)
     dkv = torch.zeros(own_kv.shape, dtype=torch.float32, device=q.device)
     backward_spans(q, own_kv, o, d_out, lse, own, head_tail_chunks(cp, cp_rank), docs, scale, dq, dkv)
-    return dq, dkv.add_(pending.wait())
+    return dq, dkv.add_(pending.wait()), pending
 
 
-class _Ready:
-    def __init__(self, value):
-        self.value = value
+class _Kept:
+    """In one process nothing goes over the wire: the other chunks' dK/dV is kept whole
+    for the caller (who sums every rank's), and the own chunks get nothing more here."""
 
-    def wait(self):
-        return self.value
+    def __init__(self, dkv_others: torch.Tensor):
+        self.dkv_others = dkv_others
+
+    def wait(self) -> float:
+        return 0.0
 
 
 class _GatheredAttention(torch.autograd.Function):
@@ -107,10 +110,8 @@ class _GatheredAttention(torch.autograd.Function):
     def backward(ctx, d_out):
         q, kv, o, lse = ctx.saved_tensors
         cp, r = ctx.cp, ctx.cp_rank
-        shares = []
-        dq, dkv_own = _backward(q, kv, o, lse, d_out, ctx.docs, ctx.scale, cp, r,
-                                lambda dkv: shares.append(dkv) or _Ready(0))
-        dkv = shares[0]
+        dq, dkv_own, kept = _backward(q, kv, o, lse, d_out, ctx.docs, ctx.scale, cp, r, _Kept)
+        dkv = kept.dkv_others
         halves = dkv_own.tensor_split(2, dim=3)
         for chunk, half in zip(head_tail_chunks(cp, r), halves):  # the own chunks' share, in place
             c = half.shape[3]
@@ -170,8 +171,8 @@ class _OverlappedGather(torch.autograd.Function):
         q, kv, o, lse = ctx.saved_tensors
         group = ctx.group
         cp, r = dist.get_world_size(group), dist.get_rank(group)
-        dq, dkv = _backward(q, kv, o, lse, d_out, ctx.docs, ctx.scale, cp, r,
-                            lambda dkv_others: _ReduceScatter(dkv_others, group, kv.dtype))
+        dq, dkv, _ = _backward(q, kv, o, lse, d_out, ctx.docs, ctx.scale, cp, r,
+                               lambda dkv_others: _ReduceScatter(dkv_others, group, kv.dtype))
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None
 
 
