@@ -77,6 +77,7 @@ def _backward(q, kv, o, lse, d_out, docs, scale, cp: int, cp_rank: int, reduce_s
     dkv_others = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     backward_spans(q, kv, o, d_out, lse, others, range(2 * cp), docs, scale, dq, dkv_others)
     pending = reduce_scatter(dkv_others)
+    del dkv_others  # the handle keeps what it needs (across ranks: only its send buffer)
     own_kv = shard_sequence(kv, cp, cp_rank, dim=3)
     dkv = torch.zeros(own_kv.shape, dtype=torch.float32, device=q.device)
     backward_spans(q, own_kv, o, d_out, lse, own, head_tail_chunks(cp, cp_rank), docs, scale, dq, dkv)
@@ -133,8 +134,14 @@ class _ReduceScatter:
 
     def __init__(self, dkv: torch.Tensor, group, dtype: torch.dtype):
         cp = dist.get_world_size(group)
-        # each rank's chunks of it, in the all-gather's layout (cp, 2, B, Hkv, S_l, D)
-        send = torch.stack([shard_sequence(dkv, cp, p, dim=3) for p in range(cp)]).to(dtype)
+        # each rank's chunks of it, in the all-gather's layout (cp, 2, B, Hkv, S_l, D), in
+        # K/V's dtype: one buffer, copied into chunk by chunk
+        chunks = dkv.tensor_split(2 * cp, dim=3)
+        c = chunks[0].shape[3]
+        send = torch.empty((cp, *dkv.shape[:3], 2 * c, dkv.shape[4]), dtype=dtype, device=dkv.device)
+        for p in range(cp):
+            for half, chunk in enumerate(head_tail_chunks(cp, p)):
+                send[p, :, :, :, half * c:(half + 1) * c].copy_(chunks[chunk])
         self.received = torch.empty(send.shape[1:], dtype=torch.float32, device=dkv.device)
         self.work = reduce_scatter_flat(self.received.view(-1), send.view(-1), group, async_op=True)
         self.send = send  # alive until the collective is done
