@@ -67,11 +67,11 @@ def test_context_parallel_work_counted_by_hand():
     assert layout.cp_mode(MODEL) == "allgather"
     assert stage.counts == {"cp": 2 * 2 * 2, "dp": 6}
     assert stage.kind_bytes["cp"] == pytest.approx(2 * 2 * 2 * kv / 2)
-    # the ring: per layer and micro-batch one K/V send forward, one backward and cp = 2
-    # fp32 dK/dV sends, each a shard (half) of the K/V
+    # the ring: per layer and micro-batch one K/V send forward, one backward and one fp32
+    # dK/dV send, each a shard (half) of the K/V
     (ring,) = rank_work(WORK, replace(layout, cp_comm="ring"), COMPUTE)
-    assert ring.counts["cp"] == 2 * 2 * (1 + 1 + 2)
-    assert ring.kind_bytes["cp"] == pytest.approx(2 * 2 * (1 + 1 + 2) * kv / 2)
+    assert ring.counts["cp"] == 2 * 2 * (1 + 1 + 1)
+    assert ring.kind_bytes["cp"] == pytest.approx(2 * 2 * (1 + 1 + 1) * kv / 2)
     # full recomputation runs the forward's all-gather again
     (full,) = rank_work(WORK, replace(layout, recompute="full"), COMPUTE)
     assert full.counts["cp"] == 2 * 2 * 3

@@ -446,10 +446,11 @@ def test_kv_traffic_grows_with_cp_as_the_cost_formula_says():
     the all-gather mode moves (cp - 1) / cp of the whole sequence's K/V forward
     (all-gather) and backward (reduce-scatter of dK/dV), the bytes of
     ``context_parallel.cost.kv_bytes_per_layer``; the ring's exposed time is its cp - 1 K/V
-    messages each way plus cp fp32 dK/dV messages, the same function's ring bytes. With
-    the attention to hide behind, the all-gather mode exposes what its collectives
-    outlast the rank's own chunks' attention by, and the ring only its last dK/dV
-    message."""
+    messages each way plus cp - 1 fp32 dK/dV messages, the same function's ring bytes.
+    With the attention to hide behind, the all-gather mode exposes what its collectives
+    outlast the rank's own chunks' attention by, and the ring what its messages outlast
+    their steps' blocks by (its last dK/dV message under a quarter of the own chunks'
+    backward)."""
     from parallel3d.context_parallel.cost import kv_bytes_per_layer
     from parallel3d.planner.timing import cp_layer_seconds
 
@@ -486,9 +487,18 @@ def test_kv_traffic_grows_with_cp_as_the_cost_formula_says():
         sent = kv_bytes_per_layer("ring", batch=1, seq_len=65536, n_kv_heads=4, head_dim=128, cp=cp)
         link = bw if 2 * cp <= 8 else gpu.internode_bytes_per_s * eff.link
         assert (f + b) * link == pytest.approx(sent, rel=1e-12)
-    # ... and on an H100 the block attention of 64K tokens hides all but the last dK/dV
-    f, b = cp_layer_seconds(work, Layout(tp=2, cp=4, cp_comm="ring"), gpu, 8, eff)
-    assert f == 0.0 and b * bw == pytest.approx(2 * 65536 * 4 * 128 / 4 * 4)
+    # ... and on an H100 the block attention of 64K tokens hides every message, the last
+    # dK/dV's (fp32, a quarter of the K/V) under the own chunks' last block; at 1K tokens
+    # a step's blocks (1/4096 the work, 1/64 the bytes) no longer hide the messages
+    assert cp_layer_seconds(work, Layout(tp=2, cp=4, cp_comm="ring"), gpu, 8, eff) == (0.0, 0.0)
+    short = Workload(model, 1024, 16, "bf16")
+    f, b = cp_layer_seconds(short, Layout(tp=2, cp=4, cp_comm="ring"), gpu, 8, eff)
+    kv_msg = 2 * 1024 * 4 * 128 * 2 / 4 / bw  # a K/V shard, bf16
+    step_f = 4 * 1024 * model.n_heads * model.head_dim * 256 / 2 / (gpu.peak_flops * eff.compute) / 4
+    assert step_f < kv_msg and f == pytest.approx(3 * (kv_msg - step_f))
+    assert b == pytest.approx(sum(max(0.0, x) for x in (
+        kv_msg - 1.5 * step_f, 2 * kv_msg - 0.5 * step_f,  # step 0's K/V; the last dK/dV (fp32: 2x)
+        kv_msg - 2 * step_f, kv_msg + 2 * kv_msg - 2 * step_f, 2 * kv_msg - 2 * step_f)))  # steps 1, 2, 3
     # the step carries it: m micro-batches x 32 layers x (F + B), recomputation adds F again
     layout = Layout(tp=4, cp=4, dp=4, micro_batch=1, cp_comm="allgather")
     t = step_time(work32, layout, gpu, 8, eff)

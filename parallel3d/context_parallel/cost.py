@@ -5,7 +5,7 @@ With ``kv = 2 B S Hkv D`` elements of K and V for the whole sequence (``b`` byte
 dK/dV accumulators of ``g`` bytes each travel in the ring's backward)::
 
     allgather:  forward all-gather (cp-1)/cp kv b,  backward reduce-scatter (cp-1)/cp kv b
-    ring:       forward (cp-1) shards of kv/cp (b),  backward (cp-1) shards (b) + cp shards (g)
+    ring:       forward (cp-1) shards of kv/cp (b),  backward (cp-1) shards (b) + (cp-1) shards (g)
 
 The gloo reduce-scatter (``distributed.reduce_scatter_flat``) sends the same (cp-1)/cp.
 Activation recomputation runs the forward again: add its share once more.
@@ -26,7 +26,7 @@ def kv_bytes_per_layer(comm: str, *, batch: int, seq_len: int, n_kv_heads: int, 
         return 2 * (cp - 1) / cp * kv * dtype_bytes
     if comm == "ring":
         shard = kv / cp
-        return 2 * (cp - 1) * shard * dtype_bytes + cp * shard * grad_bytes
+        return 2 * (cp - 1) * shard * dtype_bytes + (cp - 1) * shard * grad_bytes
     raise ValueError(f"context-parallel comm {comm!r}: use allgather or ring")
 
 

@@ -7,11 +7,14 @@ skipped; as spans, ``spans.py``: fewer, larger kernel calls) while the transfer 
 merges each span's partial output by its log-sum-exp. Packed documents need no
 communication: a block's mask is the queries' document starts against the keys' global
 positions (``documents.py``). Messages per rank and layer: forward ``cp-1`` K/V shards;
-backward ``cp-1`` K/V shards again plus ``cp`` fp32 dK/dV shards.
+backward ``cp-1`` K/V shards again plus ``cp-1`` fp32 dK/dV shards.
 
 Backward recomputes each block (nothing but q, k, v, the output and the lse is kept)
-and passes dK/dV along with K/V: the accumulator of the K/V a rank holds picks up its
-share and travels on, so that after the last step it reaches the K/V's owner, complete.
+and passes dK/dV along with K/V: the accumulator of a rank's K/V starts at the next rank
+(step 1), picks up each holder's share and travels on, so that after the last step it
+reaches the K/V's owner, which adds its own share, kept at home. The owner computes one
+block of its own chunks last, after sending its last accumulator on: that message, the
+only one with no step after it, runs under that block.
 """
 
 from __future__ import annotations
@@ -60,22 +63,29 @@ def ring_forward(q, k, v, docs, scale, cp: int, cp_rank: int, shift):
 def ring_backward(q, k, v, o, lse, d_out, docs, scale, cp: int, cp_rank: int, shift):
     """(dq, dk, dv) of this rank's q, k, v from its ``o``, ``lse`` and upstream ``d_out``;
     ``shift`` as :func:`ring_forward`. dK/dV accumulators travel with the K/V and end at
-    their owner."""
+    their owner, which adds its own share (module docstring)."""
     d_out = d_out.to(q.dtype)
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])
+    own_kv = kv = torch.stack([k, v])
+    steps = ring_spans(cp, cp_rank)
+    *early, last = steps[0]  # the own chunks' spans; the last one waits for the end
+    own = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, S_l, D)
     incoming = None  # the dK/dV accumulator of the K/V now held, from rank r-1
-    for t, spans in enumerate(ring_spans(cp, cp_rank)):
+    for t, spans in enumerate(steps):
         pending = shift(kv, KV_TAG) if t < cp - 1 else None
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # (2, B, Hkv, S_l, D)
-        backward_spans(q, kv, o, d_out, lse, spans, _held_chunks(cp, cp_rank, t), docs, scale, dq, dkv)
-        if incoming is not None:
-            dkv.add_(incoming.wait())
-        incoming = shift(dkv, GRAD_TAG)  # on to the next holder, last: the owner
+        if t == 0:
+            backward_spans(q, kv, o, d_out, lse, early, _held_chunks(cp, cp_rank, 0), docs, scale, dq, own)
+        else:
+            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            backward_spans(q, kv, o, d_out, lse, spans, _held_chunks(cp, cp_rank, t), docs, scale, dq, dkv)
+            if incoming is not None:
+                dkv.add_(incoming.wait())
+            incoming = shift(dkv, GRAD_TAG)  # on to the next holder, last: the owner
         if pending is not None:
             kv = pending.wait()
-    dkv = incoming.wait()
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    backward_spans(q, own_kv, o, d_out, lse, [last], _held_chunks(cp, cp_rank, 0), docs, scale, dq, own)
+    own.add_(incoming.wait())  # every other rank's share of this rank's K/V
+    return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):

@@ -169,7 +169,7 @@ def _cp_traffic(w: StageWork, work: Workload, layout: Layout, layer_passes: int)
     """``layer_passes`` (micro-batches x layers) of context-parallel K/V traffic: K and V
     of the whole sequence at the rank's kv-heads; "allgather": an all-gather forward and a
     reduce-scatter of dK/dV backward; "ring": cp - 1 sends of a rank's K/V forward, cp - 1
-    more and cp fp32 dK/dV sends backward. Full recomputation runs the forward's again."""
+    more and cp - 1 fp32 dK/dV sends backward. Full recomputation runs the forward's again."""
     cp = layout.cp
     if cp == 1:
         return
@@ -180,7 +180,7 @@ def _cp_traffic(w: StageWork, work: Workload, layout: Layout, layer_passes: int)
         return
     shard = kv / cp
     _add(w, "cp", layer_passes * (cp - 1) * (forwards + 1), 2, 2 * shard)  # a send moves it whole
-    _add(w, "cp", layer_passes * cp, 2, 2 * shard / work.bytes["act"] * 4)
+    _add(w, "cp", layer_passes * (cp - 1), 2, 2 * shard / work.bytes["act"] * 4)
 
 
 def _ep_traffic(w: StageWork, work: Workload, layout: Layout, sparse_passes: int) -> None:

@@ -14,10 +14,10 @@ Per pipeline slot (one micro-batch through one stage, forward and backward)::
               "allgather" all-gathers it in F and reduce-scatters dK/dV in B, each under
               the attention of the rank's own chunks (1 / cp of its attention, twice that
               in B): exposed only where the collective outlasts it;
-              "ring" sends cp - 1 K/V shards in F and cp - 1 K/V shards plus cp fp32 dK/dV
-              shards in B, each step overlapped with that step's block attention (1 / cp
-              of the rank's, twice that in B): exposed only where the message outlasts it,
-              and the last dK/dV message whole. Recomputation re-runs the forward's. On
+              "ring" sends cp - 1 K/V shards in F and cp - 1 K/V shards plus cp - 1 fp32
+              dK/dV shards in B, each step overlapped with that step's block attention (1 /
+              cp of the rank's, twice that in B): exposed only where the message outlasts
+              it; the last dK/dV message under the own chunks' last block. Recomputation re-runs the forward's. On
               NVLink when tp * cp fits in a node (cp sits between tp and dp in rank order).
 
     ep comm   expert parallelism: per sparse layer four all-to-alls of the rank's routed
@@ -191,11 +191,17 @@ def cp_layer_seconds(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: in
     if layout.cp_mode(model) == "allgather":  # each collective under the own chunks' blocks
         return (max(0.0, ring_time("all_gather", kv * act, cp, bw, lat) - step_f),
                 max(0.0, ring_time("reduce_scatter", kv * act, cp, bw, lat) - 2 * step_f))
-    # ring: its last dK/dV message (to the owner) waits alone
+    # ring: step t's blocks hide the messages in flight then; backward: the K/V of step 0
+    # under 3/4 of the own chunks' blocks, at each step t >= 1 the next K/V (t < cp-1) and
+    # the dK/dV accumulator sent at step t-1 (t >= 2), the last accumulator (to its owner)
+    # under the own chunks' last block, kept for the end (a quarter of them)
     kv_msg = kv / cp * act / bw + lat
     dkv_msg = kv / cp * 4 / bw + lat  # fp32 accumulators
     forward = (cp - 1) * max(0.0, kv_msg - step_f)
-    backward = (cp - 1) * max(0.0, kv_msg + dkv_msg - 2 * step_f) + dkv_msg
+    step_b = 2 * step_f
+    backward = max(0.0, kv_msg - 0.75 * step_b) + max(0.0, dkv_msg - 0.25 * step_b)
+    for t in range(1, cp):
+        backward += max(0.0, kv_msg * (t < cp - 1) + dkv_msg * (t >= 2) - step_b)
     return forward, backward
 
 
