@@ -196,6 +196,45 @@ def test_allgather_mode_runs_the_own_blocks_under_its_collectives(pools):
         assert pools(4).run(_allgather_events, cp) == [expected] * 4
 
 
+def _ring_backward_events(cp: int) -> list[tuple]:
+    """The ring's backward messages (by tag) and block runs (by the K/V's owner), in order."""
+    from parallel3d.context_parallel import ring
+
+    group = _cp_group(cp)
+    r = dist.get_rank(group)
+    events, saved = [], (ring.ring_shift, ring.backward_spans)
+
+    def shift(x, g, tag=0):
+        events.append(("send", "K/V" if tag == ring.KV_TAG else "dK/dV"))
+        return saved[0](x, g, tag)
+
+    def blocks(*args):  # args[6]: the global chunks of the K/V at hand; its owner is the cp rank of the first
+        events.append(("blocks", "own" if args[6][0] == r else "other"))
+        return saved[1](*args)
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, h, 4 * cp, 8, requires_grad=True) for h in (4, 2, 2))
+    out = context_parallel_attention(q, k, v, group, comm="ring")
+    ring.ring_shift, ring.backward_spans = shift, blocks
+    try:
+        out.sum().backward()
+    finally:
+        ring.ring_shift, ring.backward_spans = saved
+    return events
+
+
+def test_ring_backward_sends_cp_minus_1_accumulators_and_hides_the_last(pools):
+    """Backward of the ring: cp - 1 K/V sends and cp - 1 dK/dV sends (the owner's share
+    stays home); the own chunks' blocks run first and last, the last after the final
+    dK/dV message is posted, so that it runs under them."""
+    for cp in (2, 4):
+        for events in pools(4).run(_ring_backward_events, cp):
+            sends = [e[1] for e in events if e[0] == "send"]
+            assert sends.count("K/V") == cp - 1 and sends.count("dK/dV") == cp - 1, events
+            assert events[-2:] == [("send", "dK/dV"), ("blocks", "own")], events
+            assert events[:2] == [("send", "K/V"), ("blocks", "own")], events
+
+
 def _mha(cp: int, comm: str) -> list[float]:
     return _errors(cp, comm, torch.float32, True, heads=(2, 2))
 
