@@ -17,8 +17,9 @@ Per pipeline slot (one micro-batch through one stage, forward and backward)::
               "ring" sends cp - 1 K/V shards in F and cp - 1 K/V shards plus cp - 1 fp32
               dK/dV shards in B, each step overlapped with that step's block attention (1 /
               cp of the rank's, twice that in B): exposed only where the message outlasts
-              it; the last dK/dV message under the own chunks' last block. Recomputation re-runs the forward's. On
-              NVLink when tp * cp fits in a node (cp sits between tp and dp in rank order).
+              it; the last dK/dV message under the own chunks' last block. Recomputation
+              re-runs the forward's. On NVLink when tp * cp fits in a node (cp sits between
+              tp and dp in rank order).
 
     ep comm   expert parallelism: per sparse layer four all-to-alls of the rank's routed
               rows (dispatch and combine, forward and backward; six with full
