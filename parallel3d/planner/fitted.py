@@ -54,7 +54,8 @@ from dataclasses import dataclass, field, replace
 
 from parallel3d.flops import layer_forward_flops_per_token
 from parallel3d.planner.experts import routed_tokens, sparse_layers_of
-from parallel3d.planner.memory import BUCKET_BYTES, stage_expert_params, stage_params
+from parallel3d.planner.memory import BUCKET_BYTES
+from parallel3d.planner.params import stage_expert_params, stage_params
 from parallel3d.planner.overlap import gather_wait, reduce_tail
 from parallel3d.planner.spec import Layout, Workload, kv_width, layer_split, rank_chunks
 

@@ -82,9 +82,9 @@ from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_
 from parallel3d.planner.experts import a2a_seconds, sparse_layers_of
 from parallel3d.planner.hardware import GPU, Efficiency
 from parallel3d.planner.lora import adapter_params, trained_units
-from parallel3d.planner.memory import kv_width, stage_expert_params, stage_params
+from parallel3d.planner.params import stage_expert_params, stage_params
 from parallel3d.planner.overlap import DpTime, Unit, dp_time
-from parallel3d.planner.spec import Layout, Workload, layer_split, rank_chunks
+from parallel3d.planner.spec import Layout, Workload, kv_width, layer_split, rank_chunks
 
 
 @dataclass
