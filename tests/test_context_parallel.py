@@ -208,14 +208,14 @@ def _ring_backward_events(cp: int) -> list[tuple]:
         events.append(("send", "K/V" if tag == ring.KV_TAG else "dK/dV"))
         return saved[0](x, g, tag)
 
-    def blocks(*args):  # args[6]: the global chunks of the K/V at hand; its owner is the cp rank of the first
+    def run_spans(*args):  # args[6]: the global chunks of the K/V at hand; its owner is the cp rank of the first
         events.append(("blocks", "own" if args[6][0] == r else "other"))
         return saved[1](*args)
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, h, 4 * cp, 8, requires_grad=True) for h in (4, 2, 2))
     out = context_parallel_attention(q, k, v, group, comm="ring")
-    ring.ring_shift, ring.backward_spans = shift, blocks
+    ring.ring_shift, ring.backward_spans = shift, run_spans
     try:
         out.sum().backward()
     finally:
@@ -368,8 +368,8 @@ def test_spans_cover_each_block_of_the_plans_once(cp):
 
     for r in range(cp):
         own, others = gathered_spans(cp, r)
-        gathered = pairs(own, lambda k: head_tail_chunks(cp, r)[k]) + pairs(others)
-        assert sorted(gathered) == sorted(gathered_plan(cp, r))  # the all-gather mode's two parts
+        both = pairs(own, lambda k: head_tail_chunks(cp, r)[k]) + pairs(others)
+        assert sorted(both) == sorted(gathered_plan(cp, r))  # the all-gather mode's two parts
         assert all(b not in head_tail_chunks(cp, r) for _, b, _ in pairs(others))
         for plan, calls in [(ring_plan(cp, r)[t], ring_spans(cp, r)[t]) for t in range(cp)] + [(None, own + others)]:
             if plan is not None:

@@ -107,8 +107,9 @@ def _ranked(found) -> list[Option]:
 def rank_layouts(work: Workload, world: int, micro_batch: int, terms: FittedTerms, ranks_per_host: int,
                  budget_bytes: int, margin: float, valid=lambda layout: True, with_cp: bool = False) -> list[Option]:
     """Every valid layout of ``world`` ranks at ``micro_batch`` (context-parallel degrees
-    too ``with_cp``), fitting ones first by predicted step (ties to the one needing less
-    memory)."""
+    too ``with_cp``, or on sequences as long as the planner's search takes cp for),
+    fitting ones first by predicted step (ties to the one needing less memory)."""
+    with_cp = with_cp or work.seq_len >= CP_MIN_SEQ_LEN
     found = {}
     for layout in valid_layouts(work, world, ranks_per_host, {"micro_batch": micro_batch}, with_cp=with_cp):
         if layout not in found and valid(layout):
@@ -119,11 +120,9 @@ def rank_layouts(work: Workload, world: int, micro_batch: int, terms: FittedTerm
 def options(work: Workload, current: Layout, terms: FittedTerms, ranks_per_host: int, budget_bytes: int,
             margin: float, valid=lambda layout: True) -> list[Option]:
     """Every candidate (the current layout among them), fitting ones first by predicted
-    step; context-parallel degrees among them when the job runs one, or its sequences are
-    as long as the planner's search takes cp for."""
-    with_cp = current.cp > 1 or work.seq_len >= CP_MIN_SEQ_LEN
+    step; other context-parallel degrees among them when the job runs one."""
     found = rank_layouts(work, current.world_size, current.micro_batch, terms, ranks_per_host, budget_bytes,
-                         margin, valid, with_cp)
+                         margin, valid, with_cp=current.cp > 1)
     if not any(_same(o.layout, current) for o in found):  # e.g. pp_layers set by hand
         mine = _option(work, current, terms, ranks_per_host, budget_bytes * (1 - margin))
         mine.fits = True  # it runs

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from parallel3d.autopilot.decide import rank_layouts
-from parallel3d.planner.search import CP_MIN_SEQ_LEN, valid_layouts
+from parallel3d.planner.search import valid_layouts
 from parallel3d.planner.spec import Layout, Workload
 
 FLAT = 0.10
@@ -70,8 +70,7 @@ def extend(points, model, seq_len: int, dtype: str, batch_at, micro_batch: int, 
             continue
         terms = replace(terms_at(last.terms, last.terms.threads, tps),
                         wire=8 / (inter_gbit * 1e9) if hosts > 1 else 0.0)
-        ranked = rank_layouts(work, n, micro_batch, terms, per_host, 2**62, 0.0, valid_for(n, work),
-                              with_cp=work.seq_len >= CP_MIN_SEQ_LEN)
+        ranked = rank_layouts(work, n, micro_batch, terms, per_host, 2**62, 0.0, valid_for(n, work))
         best = next((o for o in ranked if o.fits), None)
         if best is None:
             out.append(Extended(n, hosts, None, float("nan"), float("nan"), error, "no layout passes the checks"))

@@ -81,11 +81,11 @@ def choose(work: Workload, ranks: int, micro_batch: int, terms: FittedTerms | No
     """(the layout to run at ``ranks``, its predicted step or None without terms)."""
     if terms is None:
         return Layout(tp=1, pp=1, dp=ranks, micro_batch=micro_batch, zero=1 if ranks > 1 else 0), None
-    from parallel3d.planner.search import CP_MIN_SEQ_LEN, valid_layouts
+    from parallel3d.planner.search import valid_layouts
 
     tps = {layout.tp for layout in valid_layouts(work, ranks, ranks_per_host, {"micro_batch": micro_batch})}
     ranked = rank_layouts(work, ranks, micro_batch, terms_at(terms, terms.threads, tps or {1}),
-                          ranks_per_host, budget, 0.1, valid, with_cp=work.seq_len >= CP_MIN_SEQ_LEN)
+                          ranks_per_host, budget, 0.1, valid)
     best = next((o for o in ranked if o.fits), None)
     if best is None:
         raise UserError(f"no layout of {ranks} ranks fits (global batch {work.global_batch}, micro-batch "
