@@ -91,12 +91,16 @@ def grouped_gemm_swiglu(backend: str):
 
 def use_grouped_gemm(model: nn.Module, linear_backend: str) -> list[tuple[int, int, int]]:
     """Run every :class:`Experts` of ``model`` through the grouped GEMMs of
-    ``parallel.linear_backend`` (in place); returns each one's (held experts, dim, ffn)."""
+    ``parallel.linear_backend`` (in place): the backend is recorded as ``grouped_backend``,
+    and a computation that reads it itself (``reads_grouped_backend``: LoRA's,
+    ``parallel3d/lora/experts.py``) is kept. Returns each one's (held experts, dim, ffn)."""
     backend = EXPERT_BACKENDS[linear_backend]
     shapes = []
     for module in model.modules():
         if isinstance(module, Experts) and len(module):
-            module.swiglu = grouped_gemm_swiglu(backend)
+            module.grouped_backend = backend
+            if not getattr(module.__dict__.get("swiglu"), "reads_grouped_backend", False):
+                module.swiglu = grouped_gemm_swiglu(backend)
             first = next(iter(module.values()))
             shapes.append((len(module), first.up_proj.in_features, first.up_proj.out_features))
     return shapes

@@ -14,7 +14,8 @@ A frozen layer ``Y = X W^T`` gets ``Y = X W^T + s (X A^T) B^T``, ``A`` (r, in), 
                      forward   H = sum_k X_k A_k^T               all-reduce of (B, S, r)
                                Y += s H B^T                      after Y's own all-reduce
                      backward  nothing crosses the wire; dB the same on every rank
-    plain nn.Linear  (tp 1) A and B whole.
+    plain nn.Linear  A and B whole: at tp 1, or a layer every tp rank holds whole (an MoE
+                     layer's experts and shared expert), its factors then replicated too.
 
 The all-reduces carry r values per token, against ``in`` for the layer's own dX: the
 adapters add a small fraction to the wire. The replicated factor is marked so (``mark_replicated``: counted once in the global norm, no
@@ -107,13 +108,19 @@ def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int) -> 
         mark_replicated(layer.lora_B.weight, tp_rank, tp, partial_grad=False)
         forward = _row_forward
     elif type(layer) is nn.Linear:
-        if tp != 1:
-            raise ValueError("a plain nn.Linear gets adapters only at tp 1")
+        replicated = getattr(w, "p3d_tp_shared", 1) == tp and getattr(w, "p3d_tp_dim", None) is None
+        if tp != 1 and not replicated:
+            raise ValueError("a plain nn.Linear gets adapters at tp > 1 only when every tp rank holds it whole")
         layer.lora_A = LoraFactor(rank, layer.in_features, **factory)
         layer.lora_B = LoraFactor(layer.out_features, rank, **factory)
+        if tp != 1:  # an MoE layer's experts: every tp rank computes them whole, as its weight
+            for f in (layer.lora_A, layer.lora_B):
+                mark_replicated(f.weight, tp_rank, tp, partial_grad=w.p3d_tp_partial_grad)
         forward = _plain_forward
     else:
         raise ValueError(f"LoRA: no adapters for a {type(layer).__name__}")
+    if getattr(w, "p3d_expert", False):  # a routed expert's: reduced and sharded with the experts
+        layer.lora_A.weight.p3d_expert = layer.lora_B.weight.p3d_expert = True
     layer.lora_scaling = alpha / rank
     # the instance's forward as it stands (split_weight_grads may have replaced nn.Linear's),
     # kept to be put back by detach

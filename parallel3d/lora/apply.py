@@ -22,6 +22,7 @@ from parallel3d.errors import UserError, did_you_mean
 from parallel3d.tensor_parallel.init import counter_normal_
 
 from .adapters import adapter_parameters, attach
+from .experts import attach_experts
 from .peft_io import load_adapter_
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -77,14 +78,30 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
         raise UserError("; ".join(problems))
     if lora.rank == 0:
         return model
+    on_experts = False
     for key, layer in model.layers.items():
+        experts = getattr(layer.mlp, "experts", None)  # a Mixture-of-Experts layer's routed experts
+        owners = []
         for target in lora.targets:
-            owner = layer.self_attn if target in ATTENTION_TARGETS else layer.mlp
+            if target in ATTENTION_TARGETS:
+                owners.append((layer.self_attn, target))
+            elif experts is None:
+                owners.append((layer.mlp, target))
+            elif getattr(layer.mlp, "shared_expert", None) is not None:
+                owners.append((layer.mlp.shared_expert, target))
+        for owner, target in owners:
             proj = getattr(owner, target, None)
             if not isinstance(proj, torch.nn.Module):
-                raise UserError(f"LoRA: layer {key} has no {target} (MoE experts take no adapters yet): "
-                                f"drop {target} from lora.targets")
+                raise UserError(f"LoRA: layer {key} has no {target}: drop {target} from lora.targets")
             attach(proj, lora.rank, lora.alpha, topo.tp, topo.tp_rank)
+        if experts is not None:
+            on_experts |= attach_experts(experts, lora.targets, lora.rank, lora.alpha, topo.tp, topo.tp_rank) > 0
+    if on_experts and cfg.checkpoint.export_peft:
+        # transformers keeps a MoE layer's experts in fused 3-d tensors, which peft adapts
+        # only through its target_parameters (another layout of the factors, not written)
+        raise UserError("checkpoint.export_peft with adapters on MoE experts is not written (transformers fuses "
+                        "the experts, which peft adapts by target_parameters): drop gate_proj, up_proj and "
+                        "down_proj from lora.targets, or export the merged model with checkpoint.export_hf")
     trainable = set(lora.trainable)
     if _model_cfg(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
         trainable |= {"embed_tokens", "lm_head"}  # one tensor, whichever stage holds it

@@ -14,11 +14,13 @@ from __future__ import annotations
 import torch
 
 from .adapters import LoraFactor, detach
+from .experts import detach_experts
 
 
 @torch.no_grad()
 def merge_and_unload_(model: torch.nn.Module) -> torch.nn.Module:
-    """Merge every adapter of ``model`` into its layer's weight and remove it, in place."""
+    """Merge every adapter of ``model`` into its layer's weight and remove it, in place
+    (an MoE layer's experts: each expert's, then the experts compute as they did before)."""
     for module in list(model.modules()):
         if not isinstance(getattr(module, "lora_A", None), LoraFactor):
             continue
@@ -26,4 +28,7 @@ def merge_and_unload_(model: torch.nn.Module) -> torch.nn.Module:
         w = module.weight
         w.copy_(w.float() + (b @ a) * module.lora_scaling)  # (out or out/p, in or in/p)
         detach(module)
+    for module in list(model.modules()):
+        if "lora_saved_swiglu" in module.__dict__:
+            detach_experts(module)  # its experts' adapters are merged and gone: the computation back
     return model

@@ -125,9 +125,12 @@ def lora_states(trained: int, frozen: int, dtype: str, zero: int, replicas: int)
 
 
 def check_lora(model, spec: LoraSpec) -> None:
-    """What the trainer refuses (``lora_problems``, ``apply_lora``), said in the planner's terms."""
+    """What the planner cannot plan, said in its terms: adapters on a Mixture-of-Experts
+    model's experts (which it does not count yet; the trainer trains them)."""
     from parallel3d.errors import UserError
 
     if getattr(model, "moe", None) is not None and set(spec.targets) & set(MLP):
-        raise UserError("LoRA on a Mixture-of-Experts model: its experts take no adapters yet; "
+        raise UserError("LoRA on a Mixture-of-Experts model's MLP projections: the planner does not count "
+                        "adapters on experts yet (the trainer trains them; `parallel3d train --dry-run` gives "
+                        "the job's own figures); to plan, "
                         "target the attention only (--lora-targets q_proj,k_proj,v_proj,o_proj)")

@@ -150,15 +150,19 @@ def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_ra
     return module
 
 
-def lora_state_bytes(module: torch.nn.Module, dtype: str, zero: int, dp: int) -> StateBytes:
+def lora_state_bytes(module: torch.nn.Module, dtype: str, zero: int, dp: int, expert_dp: int | None = None) -> StateBytes:
     """LoRA: the frozen weights in the storage dtype, with no gradient and no optimizer
     state; gradients, masters and Adam state for what trains (the adapters,
     ``lora.trainable``): the planner's :func:`~parallel3d.planner.lora.lora_states` with
-    the elements of the rank's modules."""
-    trained = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in module.parameters() if not p.requires_grad)
-    s = lora_states(trained, frozen, dtype, zero, dp)
-    return StateBytes(s.weights, s.grads, s.master + s.optimizer)
+    the elements of the rank's modules; the routed experts' adapters (``p3d_expert``)
+    sharded over their own replicas, ``expert_dp`` (default ``dp``)."""
+    params = list(module.parameters())
+    frozen = sum(p.numel() for p in params if not p.requires_grad)
+    experts = sum(p.numel() for p in params if p.requires_grad and getattr(p, "p3d_expert", False))
+    dense = sum(p.numel() for p in params if p.requires_grad) - experts
+    s = lora_states(dense, frozen, dtype, zero, dp)
+    e = lora_states(experts, 0, dtype, zero, expert_dp or dp)
+    return StateBytes(s.weights + e.weights, s.grads + e.grads, s.master + s.optimizer + e.master + e.optimizer)
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,7 @@ def stage_reports(cfg: JobConfig, model_cfg, world_size: int, planned: list[Stag
         states = state_bytes(params.held, dtype, par.zero, par.dp * par.cp, params.experts,
                              par.dp // par.ep * par.cp)
         if cfg.lora.rank:
-            states = lora_state_bytes(module, dtype, par.zero, par.dp * par.cp)
+            states = lora_state_bytes(module, dtype, par.zero, par.dp * par.cp, par.dp // par.ep * par.cp)
         out.append(StageReport(stage, params, states, planned[stage], module))
     return out
 
