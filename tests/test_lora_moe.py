@@ -4,7 +4,7 @@ them computes what the model with every adapter merged into its weight computes 
 1e-5); it trains with one process's per-step losses at dp 2 x ep 2 (ZeRO 1) and at
 tp 2 x pp 2 x dp 2 x ep 2 (ZeRO 2, zb-h1), the frozen weights bit-identical after
 training, each rank holding the adapters of its own experts only, its gradient and
-optimizer bytes those the dry run states."""
+optimizer bytes those the dry run states; a checkpoint resumes across ep."""
 
 from __future__ import annotations
 
@@ -37,14 +37,14 @@ def _job(corpus_dir, run_dir, **parallel) -> dict:
     return job
 
 
-def _train(job: dict) -> dict:
+def _train(job: dict, stop_at: int | None = None) -> dict:
     from parallel3d.train.dryrun import lora_state_bytes
     from parallel3d.zero.memory import memory_report
 
     cfg = config_from_dict(job)
     trainer = Trainer(cfg, Topology.of(cfg.parallel))
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
-    history = trainer.fit()
+    history = trainer.fit(stop_at=stop_at)
     opt = trainer.optimizer
     parts = getattr(opt, "parts", (opt,))
     params = dict(trainer.model.named_parameters())
@@ -140,6 +140,28 @@ def test_moe_lora_trains_as_one_process(pools, corpus_dir, tmp_path, reference, 
         if got["expert_adapters"]:  # a stage with a sparse layer: its own experts' adapters only
             assert got["expert_adapters"] == [str(e) for e in range(topo.ep_rank * 8 // ep,
                                                                     (topo.ep_rank + 1) * 8 // ep)]
+
+
+def test_expert_adapters_resume_across_ep(pools, corpus_dir, tmp_path):
+    """A LoRA checkpoint holds each expert's adapters under the expert's name (whoever
+    holds it): a dp 2 x ep 2 run stopped at step 4 continues at ep 1 (dp 2) and at
+    dp 4 x ep 4 with the straight run's losses (1e-5)."""
+    def job(name, **par):
+        j = _job(corpus_dir, str(tmp_path / name), zero=1, **par)
+        j["checkpoint"] = {"interval": 4, "keep": 0}
+        return j
+
+    straight = pools(2).run(_train, job("straight", dp=2, ep=2))[0]["losses"]
+    first = pools(2).run(_train, job("resumed", dp=2, ep=2), 4)[0]["losses"]
+    assert first == straight[:4]
+    stopped = str(tmp_path / "resumed" / "checkpoints" / "step_00000004")
+    for par, world in (({"dp": 2, "ep": 1}, 2), ({"dp": 4, "ep": 4}, 4)):
+        other = job("at-" + "-".join(map(str, par.values())), **par)
+        other["checkpoint"]["resume"] = stopped
+        continued = pools(world).run(_train, other)
+        for got in continued:
+            assert relative_diff(got["losses"], straight[4:]) < 1e-5, (par, got["losses"], straight[4:])
+            assert got["frozen_unchanged"]
 
 
 def test_expert_adapters_refuse_a_peft_export(corpus_dir, tmp_path):
