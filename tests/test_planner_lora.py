@@ -54,6 +54,29 @@ def test_planner_lora_states_equal_the_dry_runs(tmp_path, parallel, dtype, train
             planned.weights, planned.full_grads, planned.master + planned.optimizer), report.stage
 
 
+@pytest.mark.parametrize("parallel, dtype", [
+    ({"tp": 1, "pp": 1, "dp": 2, "ep": 2, "zero": 1}, "fp32"),
+    ({"tp": 2, "pp": 2, "dp": 4, "ep": 2, "zero": 2}, "bf16"),
+    ({"tp": 2, "pp": 1, "dp": 2, "ep": 1, "zero": 0}, "bf16"),
+])
+def test_planner_lora_states_on_experts_equal_the_dry_runs(tmp_path, parallel, dtype):
+    # adapters on every routed expert's and the shared expert's projections: the routed
+    # ones' state sharded over edp, the rest over dp (the dry run counts the modules)
+    job = tiny_job("", str(tmp_path), parallel={**parallel, "schedule": "1f1b"},
+                   train={"dtype": dtype, "global_batch": 8, "micro_batch": 1},
+                   lora={"rank": 4, "alpha": 8.0, "targets": list(LORA_TARGETS), "trainable": ["norm"]})
+    job["model"].update(preset="debug-moe", n_layers=3,
+                        moe={"n_experts": 8, "top_k": 2, "ffn_dim": 96, "dense_layers": [0], "shared_ffn_dim": 32})
+    world = parallel["tp"] * parallel["pp"] * parallel["dp"]
+    found = dry_run(config_from_dict(job), world, out=lambda line: None)
+    assert len(found["reports"]) == parallel["pp"]
+    for report in found["reports"]:
+        states, planned = report.states, report.planned
+        assert report.params.held == planned.params
+        assert (states.weights, states.grads, states.optimizer) == (
+            planned.weights, planned.full_grads, planned.master + planned.optimizer), report.stage
+
+
 def _adapters_70b(rank: int) -> int:
     """Adapter elements of Llama 3 70B's 80 layers: r (in + out) per projection, by hand
     from its shape (dim 8192, 64 query heads and 8 kv-heads of 128, ffn 28672)."""

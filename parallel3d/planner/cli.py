@@ -108,7 +108,6 @@ def job_defaults(args, model, gpu) -> list[str]:
 def lora_from_args(args, model):
     """The :class:`~parallel3d.planner.spec.LoraSpec` of ``--lora``, ``--lora-rank`` and
     ``--lora-targets``, or None when none is given."""
-    from parallel3d.planner.lora import check_lora
     from parallel3d.planner.spec import LORA_TARGETS, LoraSpec
 
     if not (args.lora or args.lora_rank is not None or args.lora_targets is not None):
@@ -123,9 +122,7 @@ def lora_from_args(args, model):
         if unknown or not targets:
             raise UserError(f"--lora-targets {args.lora_targets!r}: name projections among "
                             f"{','.join(LORA_TARGETS)}")
-    spec = LoraSpec(rank, targets)
-    check_lora(model, spec)
-    return spec
+    return LoraSpec(rank, targets)
 
 
 def resolve_model(spec: str):

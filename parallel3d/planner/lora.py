@@ -19,12 +19,17 @@ Adapters of rank ``r`` on one projection of one tensor-parallel rank
 ``A`` (r, in) whole, ``B`` (out / tp, r); row-parallel (o, down) ``A`` (r, in / tp),
 ``B`` (out, r) whole. Their GEMMs add ``2 x adapter elements`` FLOPs per token to the
 forward, as much to the input gradient and to the weight gradient (:func:`adapter_params`).
+On a Mixture-of-Experts layer the MLP targets' adapters are each expert's own, whole at
+every tp rank as the experts are (:func:`sparse_adapter_params`): a token's pass reads
+its k experts' and the shared expert's; the routed experts' adapters take ZeRO's expert
+replicas (edp x cp), the rest dp x cp.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallel3d.planner.experts import sparse_layers_of
 from parallel3d.planner.spec import ADAM_BYTES, PRECISION, LoraSpec, Layout, kv_width, rank_chunks
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -67,21 +72,39 @@ def _layer_trainable(model, tp: int, names: set[str]) -> int:
     return n
 
 
+def sparse_adapter_params(model, layout: Layout, spec: LoraSpec) -> tuple[int, int, int]:
+    """Adapter elements of one Mixture-of-Experts layer on one rank: (those every tp rank's
+    token pass reads once: the attention's, split as a dense layer's, and the shared
+    expert's, whole; the routed experts' on the rank, ``E / ep`` whole experts; one
+    expert's). The MLP targets' adapters sit on each expert's own projections
+    (``parallel3d/lora/experts.py``): r (d + f) elements each, f the expert's width."""
+    moe, r, d = model.moe, spec.rank, model.dim
+    attention = adapter_params(model, layout.tp, LoraSpec(r, tuple(t for t in spec.targets if t not in MLP)))
+    mlp = sum(t in spec.targets for t in MLP)
+    per_expert = mlp * r * (d + moe.ffn_dim)
+    return attention + mlp * r * (d + moe.shared_ffn_dim) * bool(moe.shared_ffn_dim), \
+        moe.n_experts // layout.ep * per_expert, per_expert
+
+
 @dataclass(frozen=True)
 class TrainedUnits:
     """Elements that train on one pipeline rank, by the units the planner's data-parallel
     model walks (the embedding, each decoder layer, the final norm and head)."""
 
     embed: int
-    per_layer: int
+    per_layer: int  # a dense decoder layer's
     head: int
     layers: int
     largest: int  # the largest single tensor that trains (its gradient is one transient)
     adapters: int  # of the total, the adapters' (held beside the base's weights)
+    sparse_layers: int = 0  # of the layers, Mixture-of-Experts ones: each trains per_sparse_layer
+    per_sparse_layer: int = 0  # besides its routed experts' adapters
+    experts: int = 0  # the routed experts' adapters on the rank (marked p3d_expert: their own replicas)
 
     @property
     def total(self) -> int:
-        return self.embed + self.layers * self.per_layer + self.head
+        return (self.embed + (self.layers - self.sparse_layers) * self.per_layer
+                + self.sparse_layers * self.per_sparse_layer + self.experts + self.head)
 
 
 def trained_units(model, layout: Layout, pp_rank: int, split: list[int], spec: LoraSpec) -> TrainedUnits:
@@ -102,7 +125,16 @@ def trained_units(model, layout: Layout, pp_rank: int, split: list[int], spec: L
                if t in spec.targets]
     tensors += [fan_in * fan_out // layout.tp for t, (fan_in, fan_out) in shapes.items() if t in names]
     largest = max([embed, vocab if head > model.dim else 0, *tensors])
-    return TrainedUnits(embed, per_layer, head, layers, largest, layers * adapter_params(model, layout.tp, spec))
+    sparse = sparse_layers_of(model, split, chunks)
+    adapters = (layers - sparse) * adapter_params(model, layout.tp, spec)
+    if not sparse:
+        return TrainedUnits(embed, per_layer, head, layers, largest, adapters)
+    replicated, routed, _ = sparse_adapter_params(model, layout, spec)
+    # a sparse layer's own trainable weights: its norms and attention's (the MLP's names
+    # would be its experts', which lora.trainable does not plan)
+    per_sparse = replicated + _layer_trainable(model, layout.tp, names - set(MLP))
+    return TrainedUnits(embed, per_layer, head, layers, largest, adapters + sparse * (replicated + routed),
+                        sparse, per_sparse, sparse * routed)
 
 
 @dataclass(frozen=True)
@@ -122,15 +154,3 @@ def lora_states(trained: int, frozen: int, dtype: str, zero: int, replicas: int)
                       master=b["master"] * (shard if zero >= 1 else trained),
                       grads=4 * (shard if zero >= 2 else trained + (shard if zero == 1 else 0)),
                       optimizer=ADAM_BYTES * (shard if zero >= 1 else trained))
-
-
-def check_lora(model, spec: LoraSpec) -> None:
-    """What the planner cannot plan, said in its terms: adapters on a Mixture-of-Experts
-    model's experts (which it does not count yet; the trainer trains them)."""
-    from parallel3d.errors import UserError
-
-    if getattr(model, "moe", None) is not None and set(spec.targets) & set(MLP):
-        raise UserError("LoRA on a Mixture-of-Experts model's MLP projections: the planner does not count "
-                        "adapters on experts yet (the trainer trains them; `parallel3d train --dry-run` gives "
-                        "the job's own figures); to plan, "
-                        "target the attention only (--lora-targets q_proj,k_proj,v_proj,o_proj)")

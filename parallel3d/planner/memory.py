@@ -276,9 +276,11 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         units = trained_units(model, layout, pp_rank, split, work.lora)
         trained, grad_largest = units.total, units.largest
         mem.params = n = n + units.adapters  # the adapters beside the base's weights
-        states = lora_states(trained, n - trained, work.dtype, layout.zero, replicas)
-        mem.weights, mem.master, mem.optimizer, mem.full_grads = (states.weights, states.master,
-                                                                  states.optimizer, states.grads)
+        states = lora_states(trained - units.experts, n - trained, work.dtype, layout.zero, replicas)
+        experts = lora_states(units.experts, 0, work.dtype, layout.zero, expert_replicas)
+        mem.weights, mem.master, mem.optimizer, mem.full_grads = (
+            states.weights + experts.weights, states.master + experts.master,
+            states.optimizer + experts.optimizer, states.grads + experts.grads)
     else:
         mem.weights = n * b["weight"]
         if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched

@@ -81,7 +81,7 @@ from parallel3d.flops import (head_forward_flops_per_token, layer_forward_flops_
                               mlp_matmul_params, model_flops_per_token)
 from parallel3d.planner.experts import a2a_seconds, sparse_layers_of
 from parallel3d.planner.hardware import GPU, Efficiency
-from parallel3d.planner.lora import adapter_params, trained_units
+from parallel3d.planner.lora import adapter_params, sparse_adapter_params, trained_units
 from parallel3d.planner.params import stage_expert_params, stage_params
 from parallel3d.planner.overlap import DpTime, Unit, dp_time
 from parallel3d.planner.spec import Layout, Workload, kv_width, layer_split, rank_chunks
@@ -163,8 +163,14 @@ def stage_phase_flops(work: Workload, layout: Layout, pp_rank: int,
         # LoRA: the frozen weights need no wgrad GEMMs (W keeps only the trained weights'),
         # the adapters add 2 FLOPs per element and token to F, B and W (planner.lora)
         units = trained_units(model, layout, pp_rank, split, work.lora)
+        dense, sparse = layers - units.sparse_layers, units.sparse_layers
         whole = units.per_layer - adapter_params(model, layout.tp, work.lora)  # lora.trainable's
-        adapters = 2 * layers * adapter_params(model, layout.tp, work.lora) * layout.tp
+        adapters = 2 * dense * adapter_params(model, layout.tp, work.lora) * layout.tp
+        if sparse:  # an MoE layer's: the attention's and shared expert's, and k experts' a token
+            replicated, _, per_expert = sparse_adapter_params(model, layout, work.lora)
+            whole_sparse = units.per_sparse_layer - replicated
+            adapters += 2 * sparse * (replicated + model.moe.top_k * per_expert) * layout.tp
+            whole = (dense * whole + sparse * whole_sparse) / layers
         w = 2 * layers * whole * layout.tp + adapters  # per rank below: / tp
         f, b = f + adapters, b + adapters
         head_w = 2 * units.head * layout.tp if units.head > model.dim else 0
@@ -311,8 +317,9 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     parts = [(stage_params(model, layout, fullest, split)[0] - n_expert, layout.replicas),
              (n_expert, layout.expert_replicas)]
     if work.lora is not None:  # only what trains is stepped
-        parts = [(max(trained_units(model, layout, r, split, work.lora).total for r in range(layout.pp)),
-                  layout.replicas)]
+        units = max((trained_units(model, layout, r, split, work.lora) for r in range(layout.pp)),
+                    key=lambda u: u.total)
+        parts = [(units.total - units.experts, layout.replicas), (units.experts, layout.expert_replicas)]
     held = sum(n / (replicas if layout.zero >= 1 else 1) for n, replicas in parts)
     optimizer_s = 32 * held / (gpu.hbm_bytes_per_s * eff.memory)
 
@@ -346,7 +353,9 @@ def stage_units(work: Workload, layout: Layout, pp_rank: int, split: list[int], 
     per_layer = (n - (embed if first else 0) - head_params) / max(1, layers)
     if work.lora is not None:  # LoRA: only what trains reduces its gradients (and ZeRO gathers it)
         trained = trained_units(model, layout, pp_rank, split, work.lora)
-        embed, per_layer, head_params = trained.embed, trained.per_layer, trained.head
+        embed, head_params = trained.embed, trained.head
+        per_layer = (trained.total - embed - head_params - trained.experts) / max(1, layers)
+        n_expert = trained.experts
     units = [Unit(0.0, 0.0, embed)] if first else []
     units.append(Unit((f_s - head_s) / layers + f_comm, (b_s - 2 * head_s) / layers + b_comm, per_layer,
                       n_expert / layers, count=layers))
