@@ -198,7 +198,6 @@ def test_bucket_layout():
 @pytest.mark.parametrize("overrides, message", [
     ({"parallel": {"zero": 4}}, "parallel.zero 4 is not supported: use 0, 1, 2, 3"),
     ({"parallel": {"zero": 3, "offload_optimizer": True}}, "not supported with parallel.zero=3"),
-    ({"parallel": {"zero": 3}, "lora": {"rank": 4}}, "parallel.zero=3 is not supported with LoRA"),
     ({"parallel": {"offload_optimizer": True}}, "set parallel.zero=1 or 2"),
     ({"parallel": {"zero": 1, "bucket_mb": 0}}, "parallel.bucket_mb must be positive"),
     ({"train": {"recompute": "some"}}, "train.recompute 'some' is not supported"),

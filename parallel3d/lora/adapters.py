@@ -138,6 +138,9 @@ def detach(layer: nn.Module) -> None:
         layer.forward = saved
 
 
-def adapter_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(name, parameter) of every adapter factor ``model`` holds, in order."""
-    return [(n, p) for n, p in model.named_parameters() if getattr(p, "p3d_lora", False)]
+def adapter_parameters(model: nn.Module, only=None) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every adapter factor ``model`` holds, in order (those in
+    ``only``, a list of parameters, when given)."""
+    keep = None if only is None else {id(p) for p in only}
+    return [(n, p) for n, p in model.named_parameters()
+            if getattr(p, "p3d_lora", False) and (keep is None or id(p) in keep)]

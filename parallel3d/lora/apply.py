@@ -111,11 +111,12 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def init_adapters_(model: torch.nn.Module, seed: int) -> None:
+def init_adapters_(model: torch.nn.Module, seed: int, only=None) -> None:
     """``A`` from the counter-based init keyed by its name (the same values at any
     layout), N(0, 1/(3 in)): the variance of PEFT's kaiming-uniform (a = sqrt 5, bound
-    1/sqrt(in)); ``B`` zero, as PEFT starts (the adapted model equals the base)."""
-    for name, p in adapter_parameters(model):
+    1/sqrt(in)); ``B`` zero, as PEFT starts (the adapted model equals the base). ``only``:
+    those of these parameters (ZeRO 3's bucket being filled)."""
+    for name, p in adapter_parameters(model, only):
         if name.endswith("lora_B.weight"):
             p.zero_()
             continue
@@ -127,12 +128,13 @@ def init_adapters_(model: torch.nn.Module, seed: int) -> None:
                         full_shape=full, dim=dim, start=start)
 
 
-def start_adapters_(model: torch.nn.Module, lora, seed: int) -> None:
+def start_adapters_(model: torch.nn.Module, lora, seed: int, only=None) -> None:
     """Fill the adapters (after the base weights are in place, before the optimizer takes
-    its masters): from ``lora.adapter`` (a PEFT folder, this rank's slices) or seeded."""
+    its masters): from ``lora.adapter`` (a PEFT folder, this rank's slices) or seeded;
+    ``only``: those among these parameters (ZeRO 3 fills one bucket at a time)."""
     if lora.rank == 0:
         return
     if lora.adapter:
-        load_adapter_(model, lora)
+        load_adapter_(model, lora, only)
     else:
-        init_adapters_(model, seed)
+        init_adapters_(model, seed, only)

@@ -51,8 +51,9 @@ def check_adapter_config(hf: dict, lora, folder) -> None:
 
 
 @torch.no_grad()
-def load_adapter_(model: torch.nn.Module, lora) -> None:
-    """Fill every adapter factor of ``model`` with this rank's slice of ``lora.adapter``."""
+def load_adapter_(model: torch.nn.Module, lora, only=None) -> None:
+    """Fill every adapter factor of ``model`` (those in ``only``, when given: ZeRO 3's
+    bucket being filled) with this rank's slice of ``lora.adapter``."""
     from safetensors import safe_open
 
 
@@ -63,7 +64,7 @@ def load_adapter_(model: torch.nn.Module, lora) -> None:
         raise UserError(f"lora.adapter {folder}: no {WEIGHTS_FILE} there (only safetensors adapters are read)")
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
-        for name, p in adapter_parameters(model):
+        for name, p in adapter_parameters(model, only):
             key = PREFIX + name
             if key not in keys:
                 raise UserError(f"lora.adapter {folder}: {key} is missing; the adapter was made for other layers")

@@ -5,7 +5,7 @@ weights ``lora.trainable`` names. A frozen weight is stored in the training dtyp
 gradient, no fp32 master and no Adam moments; what trains has all three, and ZeRO shards
 only those (the flat-buffer optimizer takes the parameters that train)::
 
-    weights     (trained + frozen) x weight bytes (2 bf16, 4 fp32)
+    weights     (trained + frozen) x weight bytes (2 bf16, 4 fp32)   / dp x cp at ZeRO 3
     master      trained x 4 (bf16 only)           / dp x cp at ZeRO 1, 2
     gradients   trained x 4 (fp32)                / dp x cp at ZeRO 2 (ZeRO 1: the
                                                     whole buffer and its reduced shard)
@@ -150,7 +150,10 @@ def lora_states(trained: int, frozen: int, dtype: str, zero: int, replicas: int)
     sharded buffers are padded to a multiple of ``replicas`` (ceil), as the flat buffers are."""
     b = PRECISION[dtype]
     shard = -(-trained // replicas)
-    return LoraStates(weights=(trained + frozen) * b["weight"],
+    # ZeRO 3 shards the frozen weights too (zero/frozen.py; the buckets in flight are the
+    # planner's to add)
+    held = shard + -(-frozen // replicas) if zero >= 3 else trained + frozen
+    return LoraStates(weights=held * b["weight"],
                       master=b["master"] * (shard if zero >= 1 else trained),
                       grads=4 * (shard if zero >= 2 else trained + (shard if zero == 1 else 0)),
                       optimizer=ADAM_BYTES * (shard if zero >= 1 else trained))

@@ -281,6 +281,10 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         mem.weights, mem.master, mem.optimizer, mem.full_grads = (
             states.weights + experts.weights, states.master + experts.master,
             states.optimizer + experts.optimizer, states.grads + experts.grads)
+        if layout.zero == 3:  # the frozen base sharded too: a unit gathered and the next prefetched
+            unit = max(zero3_unit_params(model, layout, pp_rank, split),
+                       (bucket_bytes or int(layout.bucket_mb * 2**20)) // b["weight"])
+            mem.weights += min(n, 2 * unit) * b["weight"]
     else:
         mem.weights = n * b["weight"]
         if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched

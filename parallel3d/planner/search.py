@@ -126,7 +126,10 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed, bucket_rule=False):
     eps = ep_degrees(model, dp)
     # sequence parallelism splits a cp rank's S / cp tokens over tp
     sps = (False, True) if tp > 1 and (work.seq_len // cp) % tp == 0 else (False,)
-    if work.lora is not None:  # the trainer refuses LoRA with ZeRO 3 and with sequence parallelism
+    if work.lora is not None:
+        # the trainer refuses LoRA with sequence parallelism; it runs ZeRO 3 (the frozen
+        # base sharded, zero/frozen.py), whose gathers of the frozen weights the time
+        # model does not count yet: not searched
         zeros, sps = tuple(z for z in zeros if z != 3), (False,)
     # both comm modes: the all-gather's traffic is exposed, the ring's hides behind the
     # attention but it keeps its output twice

@@ -17,6 +17,7 @@ from parallel3d.config import Dtype, TrainConfig
 from parallel3d.grad_norm import applies_weight_decay
 from parallel3d.topology import Topology
 from parallel3d.zero import ZeroOptimizer
+from parallel3d.zero.frozen import FrozenShards
 from parallel3d.zero.split import SplitOptimizer, is_expert
 
 
@@ -77,7 +78,14 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
                               bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
                               reduce_dtype=parallel_cfg.reduce_dtype,
                               overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
-    return ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
-                         bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
-                         reduce_dtype=parallel_cfg.reduce_dtype,
-                         overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
+    # ZeRO 3 with frozen weights (LoRA's base): sharded too, before the optimizer would
+    # allocate them whole with the model's other meta tensors
+    frozen = None
+    if parallel_cfg.zero == 3 and model is not None and any(p.is_meta and not p.requires_grad for p in params):
+        frozen = FrozenShards(model, topo.replicas(), device, dtype or torch.float32, parallel_cfg.bucket_mb)
+    opt = ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
+                        bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
+                        reduce_dtype=parallel_cfg.reduce_dtype,
+                        overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
+    opt.frozen = frozen
+    return opt

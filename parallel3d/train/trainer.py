@@ -82,10 +82,8 @@ class Trainer:
         self.data = build_train_data(cfg, topo, self.device, self.model_cfg.vocab_size)
         self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
         self.checkpointer = Checkpointer(cfg, topo, self.model_cfg)
-        # This rank's part of the model on the meta device; the optimizer allocates its
-        # shards once, in its flat buffer on the device and in the storage dtype; they are
-        # then filled by the seeded (layout-independent) init or, when a checkpoint or HF
-        # folder provides the weights, read slice by slice; the fp32 masters come last.
+        # This rank's part of the model on meta; the optimizer allocates its shards once in the
+        # storage dtype, filled by the seeded init or read slice by slice; fp32 masters last.
         self.dtype = storage_dtype(cfg.train, self.device)
         family = model_family(cfg.model.family)  # models/<family>/: its model and its parallelize
         self.model, self.loss_fn = family.build_meta(self.model_cfg, topo, cfg.parallel)
@@ -101,13 +99,17 @@ class Trainer:
                                          model=self.model, timeline=self.timeline,
                                          device=self.device, dtype=self.dtype)
         materialize_(self.model, self.device, self.dtype)  # what the optimizer does not hold (LoRA: the frozen weights)
-        fill = self.optimizer.fill_params  # ZeRO 3: bucket by bucket
+
+        def fill(write) -> None:  # ZeRO 3: bucket by bucket, each bucket's adapters with it
+            def both(ps):
+                write(ps)
+                if not self.checkpointer.adapters_loaded:  # a resumed run has its checkpoint's
+                    start_adapters_(self.model, cfg.lora, cfg.train.seed, only=ps)  # seeded, or a PEFT folder
+            self.optimizer.fill_params(both)
         if not self.checkpointer.has_weights_to_load():
             fill(lambda params: family.initialize_(self.model, cfg.train.seed, only=params))
         else:
             self.checkpointer.load_weights(self.model, fill)
-        if not self.checkpointer.adapters_loaded:  # resumed: the checkpoint's adapters (and their Adam state)
-            start_adapters_(self.model, cfg.lora, cfg.train.seed)  # seeded A, zero B, or a PEFT folder
         self.optimizer.take_masters()
         self.schedule = build_schedule(
             self.model, self.loss_fn, topo, cfg.parallel, device=self.device,

@@ -109,6 +109,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
             raise ValueError("ZeRO stage 3 needs the model (its modules gather their parameters)")
         self.params = _unique(params)
         self.cfg, self.topo, self.stage, self.offload = cfg, topo, stage, offload
+        self.frozen = None  # stage 3 with frozen weights (LoRA): their FrozenShards (.frozen), set by the caller
         self.timeline = timeline
         # The ranks holding the same weights (dp x cp; context-parallel ranks hold the same
         # weights as data-parallel ones): gradients average, and stages 1/2 shard, over them.
@@ -208,6 +209,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
         stages one call, ``fill(params)`` (None: every parameter of the model, frozen
         ones included)."""
         if self.sharded is not None:
+            if params is None and self.frozen is not None:
+                self.frozen.fill_params(fill)
             self.sharded.fill_by_bucket(self.params if params is None else params, fill)
         else:
             fill(params)
@@ -336,6 +339,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
             if not self.master_is_param:
                 torch._foreach_copy_(self.param_shards, self.masters)
             self.sharded.free_all()
+            if self.frozen is not None:
+                self.frozen.free_all()  # unchanged, but whatever read them whole is done
             return
         for b in reversed(range(len(self.layout.buckets))):
             if not self.master_is_param:
@@ -363,6 +368,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self._wait_gathers(list(self._gathers))
         if self.sharded is not None:
             self.sharded.gather_all()
+        if self.frozen is not None:
+            self.frozen.gather_all()
 
     wait_for_params = finish_param_gather  # the name the checkpoints and older callers use
 
@@ -373,6 +380,8 @@ class ZeroOptimizer(GlobalNormOptimizer):
         self.reducer.release()
         if self.sharded is not None:
             self.sharded.release()
+        if self.frozen is not None:
+            self.frozen.release()
 
     # -- inspection and checkpoints --------------------------------------------------------------
     @property
@@ -392,6 +401,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         if self.offload and self._grad_host is not self.reducer.shard:
             grads.append(self._grad_host)
         params = [self.sharded.shard_flat] if self.sharded is not None else []
+        params += self.frozen.memory_tensors() if self.frozen is not None else []
         return {"grads": grads, "optimizer_state": state, "params": params}
 
     def state_dict(self) -> dict:
