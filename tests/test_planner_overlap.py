@@ -94,6 +94,27 @@ def test_dp_time_per_zero_stage():
     assert three.total_s == pytest.approx(2 * (2 * gathers - rs(1e8, 2) + reductions))
 
 
+def test_zero3_lora_gathers_the_frozen_weights_and_reduces_the_adapters():
+    """LoRA at ZeRO 3 (zero/frozen.py): every unit's weights are gathered for the forward
+    and (all but the last) again for the backward, the frozen ones included; only what
+    trains is reduce-scattered."""
+    gpu = A100
+    units = [Unit(0.0, 0.0, 1e8, trained=0.0), Unit(0.2, 0.4, 2e8, count=4, trained=1e6),
+             Unit(0.1, 0.2, 1e8, trained=0.0)]
+    bw, lat = group_link(gpu, EFF, 64, 1, 8)
+    def rs(n, nbytes):
+        return ring_seconds("reduce_scatter", n * nbytes, 64, bw, lat)
+    lora = dp_time(units, 3, 2, replicas=64, expert_replicas=64, tp=1, grad_bytes=4, weight_bytes=2,
+                   overlap_param_gather=True, bucket_bytes=2**40, gpu=gpu, eff=EFF, gpus_per_node=8)
+    gathers = rs(1e8, 2) * 2 + 4 * rs(2e8, 2)
+    reductions = 4 * rs(1e6, 4) + 2 * ring_seconds("reduce_scatter", 0, 64, bw, lat)
+    assert lora.total_s == pytest.approx(2 * (2 * gathers - rs(1e8, 2) + reductions))
+    full = dp_time([Unit(u.fwd_s, u.bwd_s, u.params, count=u.count) for u in units], 3, 2, replicas=64,
+                   expert_replicas=64, tp=1, grad_bytes=4, weight_bytes=2, overlap_param_gather=True,
+                   bucket_bytes=2**40, gpu=gpu, eff=EFF, gpus_per_node=8)
+    assert full.total_s > lora.total_s + 2 * 4 * rs(1.5e8, 4)  # full training reduces every weight
+
+
 def test_zero3_holds_a_shard_of_the_weights_and_two_gathered_units():
     model = PRESETS["8b"]
     work = Workload(model, 8192, 64)

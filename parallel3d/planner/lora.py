@@ -2,14 +2,16 @@
 
 With ``[lora]`` (``parallel3d/lora``) every weight is frozen but the adapters and the
 weights ``lora.trainable`` names. A frozen weight is stored in the training dtype with no
-gradient, no fp32 master and no Adam moments; what trains has all three, and ZeRO shards
-only those (the flat-buffer optimizer takes the parameters that train)::
+gradient, no fp32 master and no Adam moments; what trains has all three, and ZeRO 1/2
+shard only those (the flat-buffer optimizer takes the parameters that train); ZeRO 3
+shards the frozen weights too (``zero/frozen.py``; the units in flight are the planner's
+to add, as for any ZeRO 3 job)::
 
     weights     (trained + frozen) x weight bytes (2 bf16, 4 fp32)   / dp x cp at ZeRO 3
-    master      trained x 4 (bf16 only)           / dp x cp at ZeRO 1, 2
-    gradients   trained x 4 (fp32)                / dp x cp at ZeRO 2 (ZeRO 1: the
+    master      trained x 4 (bf16 only)           / dp x cp at ZeRO 1, 2, 3
+    gradients   trained x 4 (fp32)                / dp x cp at ZeRO 2, 3 (ZeRO 1: the
                                                     whole buffer and its reduced shard)
-    optimizer   trained x 8 (Adam's two moments)  / dp x cp at ZeRO 1, 2
+    optimizer   trained x 8 (Adam's two moments)  / dp x cp at ZeRO 1, 2, 3
 
 (:func:`lora_states`: the one formula, used by the planner's search with the counts
 below and by ``train --dry-run`` with the counts of the rank's modules built on meta.)
@@ -150,8 +152,6 @@ def lora_states(trained: int, frozen: int, dtype: str, zero: int, replicas: int)
     sharded buffers are padded to a multiple of ``replicas`` (ceil), as the flat buffers are."""
     b = PRECISION[dtype]
     shard = -(-trained // replicas)
-    # ZeRO 3 shards the frozen weights too (zero/frozen.py; the buckets in flight are the
-    # planner's to add)
     held = shard + -(-frozen // replicas) if zero >= 3 else trained + frozen
     return LoraStates(weights=held * b["weight"],
                       master=b["master"] * (shard if zero >= 1 else trained),

@@ -126,16 +126,15 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed, bucket_rule=False):
     eps = ep_degrees(model, dp)
     # sequence parallelism splits a cp rank's S / cp tokens over tp
     sps = (False, True) if tp > 1 and (work.seq_len // cp) % tp == 0 else (False,)
-    if work.lora is not None:
-        # the trainer refuses LoRA with sequence parallelism; it runs ZeRO 3 (the frozen
-        # base sharded, zero/frozen.py), whose gathers of the frozen weights the time
-        # model does not count yet: not searched
-        zeros, sps = tuple(z for z in zeros if z != 3), (False,)
+    if work.lora is not None:  # the trainer refuses LoRA with sequence parallelism
+        sps = (False,)
     # both comm modes: the all-gather's traffic is exposed, the ring's hides behind the
     # attention but it keeps its output twice
     comms = CP_COMMS if cp > 1 else ("auto",)
     for (schedule, v), zero, recompute, sp, comm, ep in product(schedules, zeros, ("none", "selective", "full"),
                                                                  sps, comms, eps):
+        if work.lora is not None and zero == 3 and ep > 1:  # refused: frozen experts over edp
+            continue
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, schedule=schedule, virtual_stages=v,
                         zero=zero, recompute=recompute, sequence_parallel=sp, cp=cp, cp_comm=comm, ep=ep,
                         reduce_dtype=fixed.get("reduce_dtype", "fp32"),
