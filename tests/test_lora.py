@@ -131,7 +131,6 @@ def test_lora_trains_as_one_process(pools, corpus_dir, tmp_path, reference, para
     ({"lora": {"rank": 4, "dropout": 0.1}}, "lora.dropout"),
     ({"lora": {"rank": 4, "targets": ["q_prj"]}}, "did you mean 'q_proj'"),
     ({"lora": {"rank": 4, "trainable": ["norms"]}}, "did you mean 'norm'"),
-    ({"lora": {"rank": 4}, "parallel": {"tp": 2, "sequence_parallel": True}}, "sequence_parallel=false"),
 ])
 def test_bad_lora_settings_say_what_to_change(change, says):
     from parallel3d.lora import lora_problems

@@ -22,11 +22,19 @@ adapters add a small fraction to the wire. The replicated factor is marked so (`
 tp sum of its gradient); the split one carries the weight's ``p3d_tp_*`` split
 (``mark_sharded``), so checkpoints, the norm and ZeRO treat it as the weight's slice.
 
-The GEMMs go through ``tensor_parallel.split_backward.linear``: their weight gradients
+Under sequence parallelism (a rank holds S/p of the tokens between layers):
+
+    column-parallel  H = gather_S(X_shard A^T)           all-gather of (B, S, r); its
+                                                         backward reduce-scatters dH
+                     A's gradient is a partial sum over the ranks' token shards
+    row-parallel     H = reduce-scatter_S(X_k A_k^T)     (B, S/p, r), as Y is scattered;
+                     Y_shard += s H B^T                  backward all-gathers dH; B's
+                                                         gradient a partial sum
+
+(the column side reads the shard that the module's gathered stand-in stands for,
+``SharedInput``). The GEMMs go through ``tensor_parallel.split_backward.linear``: their weight gradients
 honour the zero-bubble B/W split and a ``main_grad``, as the layers' own weights do. A
 frozen base weight (``requires_grad=False``) gets no gradient there: its W does nothing.
-Sequence parallelism is not supported (the shared-input node hands the attention and MLP
-a stand-in input; :func:`~parallel3d.lora.apply.apply_lora` refuses the combination).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from torch import nn
 
 from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, copy_to_tp_region,
                                         mark_replicated, reduce_from_tp_region)
+from parallel3d.tensor_parallel.comm import gather_from_sequence, reduce_scatter_to_sequence
 from parallel3d.tensor_parallel.layers import mark_sharded
 from parallel3d.tensor_parallel.split_backward import linear
 
@@ -63,6 +72,15 @@ class LoraFactor(nn.Module):
 
 
 def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
+    if layer.sequence_parallel:
+        # x is the module's gathered stand-in (or, untied, the shard itself): A reads this
+        # rank's tokens (B, S/p, K), and H (B, S, r) is gathered, its gradient (a partial
+        # sum over the ranks' output rows) reduce-scattered back
+        shared = layer.shared_input
+        shard = shared._entered[1] if shared is not None and shared._entered is not None else x
+        y = base_forward(x)  # (B, S, out/p)
+        h = gather_from_sequence(layer.lora_A(shard), layer.group)
+        return y + layer.lora_B(h * layer.lora_scaling)
     y = base_forward(x)  # (B, S, out/p)
     h = layer.lora_A(x)  # (B, S, r), the same on every rank
     h = copy_to_tp_region(h, layer.group)  # backward: dH summed over the ranks' output rows
@@ -70,11 +88,13 @@ def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
-    y = base_forward(x)  # (B, S, out), reduced
+    y = base_forward(x)  # (B, S, out) reduced; under sequence parallelism (B, S/p, out)
     h = layer.lora_A(x)  # (B, S, r), partial sum
-    # h is ours, reduced in place, unless selective recomputation keeps the GEMM outputs
-    h = reduce_from_tp_region(h, layer.group, inplace=layer.reduce_in_place)
-    return y + layer.lora_B(h * layer.lora_scaling)  # (B, S, out)
+    if layer.sequence_parallel:  # summed and scattered as Y is: (B, S/p, r)
+        h = reduce_scatter_to_sequence(h, layer.group)
+    else:  # h is ours, reduced in place, unless selective recomputation keeps the GEMM outputs
+        h = reduce_from_tp_region(h, layer.group, inplace=layer.reduce_in_place)
+    return y + layer.lora_B(h * layer.lora_scaling)  # (B, S, out) or (B, S/p, out)
 
 
 def _plain_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
@@ -91,21 +111,22 @@ def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int) -> 
         raise ValueError("LoRA adapters already attached to this layer")
     w = layer.weight
     factory = {"device": w.device, "dtype": w.dtype, "backend": getattr(layer, "backend", "auto")}
+    sp = bool(getattr(layer, "sequence_parallel", False))  # a factor that reads a token shard: partial dW
     if isinstance(layer, ColumnParallelLinear):
-        if layer.sequence_parallel or layer.gather_output:
-            raise ValueError("LoRA on a column-parallel layer needs sequence_parallel and gather_output off")
+        if layer.gather_output:
+            raise ValueError("LoRA on a column-parallel layer needs gather_output off")
         layer.lora_A = LoraFactor(rank, layer.in_features, **factory)
         layer.lora_B = LoraFactor(w.shape[0], rank, **factory)
-        mark_replicated(layer.lora_A.weight, tp_rank, tp, partial_grad=False)
+        mark_replicated(layer.lora_A.weight, tp_rank, tp, partial_grad=sp)
         mark_sharded(layer.lora_B.weight, 0, w.p3d_tp_range, w.p3d_tp_full, tp_rank, w.p3d_tp_shared)
         forward = _column_forward
     elif isinstance(layer, RowParallelLinear):
-        if layer.sequence_parallel or not layer.input_is_parallel:
-            raise ValueError("LoRA on a row-parallel layer needs sequence_parallel off and input_is_parallel")
+        if not layer.input_is_parallel:
+            raise ValueError("LoRA on a row-parallel layer needs input_is_parallel")
         layer.lora_A = LoraFactor(rank, w.shape[1], **factory)
         layer.lora_B = LoraFactor(layer.out_features, rank, **factory)
         mark_sharded(layer.lora_A.weight, 1, w.p3d_tp_range, w.p3d_tp_full, tp_rank)
-        mark_replicated(layer.lora_B.weight, tp_rank, tp, partial_grad=False)
+        mark_replicated(layer.lora_B.weight, tp_rank, tp, partial_grad=sp)
         forward = _row_forward
     elif type(layer) is nn.Linear:
         replicated = getattr(w, "p3d_tp_shared", 1) == tp and getattr(w, "p3d_tp_dim", None) is None

@@ -55,8 +55,6 @@ def lora_problems(cfg) -> list[str]:
     for t in lora.trainable:
         if t not in TRAINABLE:
             out.append(f"lora.trainable: unknown weight {t!r}{did_you_mean(t, TRAINABLE)}; one of {', '.join(TRAINABLE)}")
-    if cfg.parallel.sequence_parallel:
-        out.append("LoRA with parallel.sequence_parallel is not implemented: set parallel.sequence_parallel=false")
     if cfg.checkpoint.export_peft and lora.trainable:
         out.append(f"checkpoint.export_peft with lora.trainable {lora.trainable} would need PEFT's "
                    "modules_to_save (not written): set lora.trainable=[] or drop checkpoint.export_peft")

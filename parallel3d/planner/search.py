@@ -4,7 +4,7 @@ A layout is valid when the trainer's own checks accept it (degrees divide the wo
 heads and kv-heads divide by tp, every chunk has a layer, the global batch divides into
 micro-batches, at least pp micro-batches, the sequence into 2 cp head-tail chunks and,
 under sequence parallelism, a cp rank's S / cp tokens over tp; for a Mixture-of-Experts
-model, ep dividing dp and the experts; under LoRA neither ZeRO 3 nor sequence parallelism); ``tp`` stays inside a
+model, ep dividing dp and the experts; under LoRA no ZeRO 3 with ep > 1); ``tp`` stays inside a
 node (its all-reduces are on the critical path of every layer). It fits when its largest stage, plus the
 fragmentation margin, is within the GPU's memory less the runtime reserve.
 """
@@ -126,8 +126,6 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed, bucket_rule=False):
     eps = ep_degrees(model, dp)
     # sequence parallelism splits a cp rank's S / cp tokens over tp
     sps = (False, True) if tp > 1 and (work.seq_len // cp) % tp == 0 else (False,)
-    if work.lora is not None:  # the trainer refuses LoRA with sequence parallelism
-        sps = (False,)
     # both comm modes: the all-gather's traffic is exposed, the ring's hides behind the
     # attention but it keeps its output twice
     comms = CP_COMMS if cp > 1 else ("auto",)
