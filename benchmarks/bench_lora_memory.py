@@ -5,6 +5,7 @@ process's base, and against full training at the same layout.
     python benchmarks/bench_lora_memory.py             # 254M base, LoRA rank 16, and full training
     python benchmarks/bench_lora_memory.py --smoke     # tiny model: the code path, seconds
     python benchmarks/bench_lora_memory.py --no-full   # LoRA only
+    python benchmarks/bench_lora_memory.py --layout dp4-zero3   # the base sharded over dp 4 (FSDP-LoRA)
 
 Each run is the trainer (``Trainer(cfg, Topology.of(cfg.parallel)).fit()``, 2 steps,
 fp32, micro_batch 1, seq_len 128, 2 micro-batches: pp 2's 1F1B, ``launch.host_memory =
@@ -15,7 +16,8 @@ initialises only its shard. Per rank:
 - ``base``: the peak of the same run on a tiny model (4 layers of dim 64, under 1 MiB of
   weights and state) in fresh processes: the interpreter, torch, parallel3d's imports,
   gloo's process groups, the data loader, what any run at this layout holds;
-- ``frozen``: bytes of the frozen weights this rank holds (its quarter of the base);
+- ``frozen``: bytes of the frozen weights this rank holds (its quarter of the base; at
+  ``--layout dp4-zero3`` its shard of every bucket, the gathered ones being transient);
 - ``adapters``: the adapters' parameters, gradients and Adam state (``memory_report``
   total less the frozen bytes: the optimizer's flat buckets, padding included);
 - ``peak``: VmHWM, the kernel's high-water mark of the process's RSS;
@@ -52,10 +54,16 @@ CORPUS_DIR = "/tmp/p3d-bench-corpus-lora"
 MiB = 2**20
 
 
-def _job(model: dict, rank: int, run_dir: str, recompute: str = "none") -> dict:
+# --layout: the 4 processes' layout
+LAYOUTS = {"tp2-pp2": {"tp": 2, "pp": 2, "dp": 1, "schedule": "1f1b"},
+           "dp4-zero3": {"tp": 1, "pp": 1, "dp": 4, "zero": 3}}
+
+
+def _job(model: dict, rank: int, run_dir: str, recompute: str = "none", layout: str = "tp2-pp2") -> dict:
     return {"model": model,
-            "parallel": {"tp": 2, "pp": 2, "dp": 1, "schedule": "1f1b"},
-            "train": {"steps": 2, "seed": 1, "global_batch": 2, "micro_batch": 1, "seq_len": 128,
+            "parallel": LAYOUTS[layout],
+            "train": {"steps": 2, "seed": 1, "global_batch": 2 * LAYOUTS[layout]["dp"], "micro_batch": 1,
+                      "seq_len": 128,
                       "lr": 1e-4, "warmup_steps": 0, "dtype": "fp32", "log_interval": 10**9,
                       "recompute": recompute},
             "lora": {"rank": rank, "alpha": 2.0 * max(rank, 1), "targets": TARGETS},
@@ -74,6 +82,9 @@ def _rank(job: dict) -> dict:
     report = memory_report(trainer.model, trainer.optimizer)
     params = list(trainer.model.parameters())
     frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
+    sharded = getattr(trainer.optimizer, "frozen", None)  # ZeRO 3: this rank's shard of the base
+    if sharded is not None:
+        frozen = sharded.sharded.shard_flat.untyped_storage().nbytes()
     return {"peak": peak_rss(), "frozen": frozen, "trained": report["total"] - frozen,
             "grads": report["grads"], "optimizer_state": report["optimizer_state"],
             "trainable_numel": sum(p.numel() for p in params if p.requires_grad),
@@ -81,19 +92,21 @@ def _rank(job: dict) -> dict:
             "stage": trainer.topo.pp_rank}
 
 
-def planned_transient(model: dict, rank: int, recompute: str = "none") -> dict[int, int]:
+def planned_transient(model: dict, rank: int, recompute: str = "none", layout: str = "tp2-pp2") -> dict[int, int]:
     """Stage -> the dry run's activations + buffers (the planner's) for the same job."""
     from parallel3d.config import config_from_dict
     from parallel3d.train.dryrun import dry_run
 
     with tempfile.TemporaryDirectory(prefix="p3d-lora-mem-") as run_dir:
-        reports = dry_run(config_from_dict(_job(model, rank, run_dir, recompute)), 4, out=lambda line: None)["reports"]
+        job = _job(model, rank, run_dir, recompute, layout)
+        reports = dry_run(config_from_dict(job), 4, out=lambda line: None)["reports"]
     return {r.stage: sum(r.transient) for r in reports}
 
 
-def measure(model: dict, rank: int, recompute: str = "none", timeout: float = 3600) -> list[dict]:
+def measure(model: dict, rank: int, recompute: str = "none", layout: str = "tp2-pp2",
+            timeout: float = 3600) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="p3d-lora-mem-") as run_dir:
-        return in_fresh_processes(_rank, _job(model, rank, run_dir, recompute), 4, timeout)
+        return in_fresh_processes(_rank, _job(model, rank, run_dir, recompute, layout), 4, timeout)
 
 
 def table(name: str, ranks: list[dict], bases: list[dict], planned: dict[int, int]) -> str:
@@ -117,6 +130,8 @@ def main() -> int:
     parser.add_argument("--no-full", action="store_true", help="skip full training's run")
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
                         help="train.recompute of the measured runs (full: each layer keeps only its input)")
+    parser.add_argument("--layout", default="tp2-pp2", choices=sorted(LAYOUTS),
+                        help="the 4 processes' layout (dp4-zero3: the base sharded over dp, FSDP-LoRA)")
     args = parser.parse_args()
     import torch
 
@@ -127,18 +142,19 @@ def main() -> int:
     prepare_stdlib(DataConfig(**DATA, cache_dir=CORPUS_DIR))  # one writer before the ranks read it
     model = SMOKE if args.smoke else MODEL
     t0 = time.time()
-    bases = measure(SMOKE, args.rank)
+    lay = args.layout
+    bases = measure(SMOKE, args.rank, layout=lay)
     rc = args.recompute
-    out = [table(f"LoRA rank {args.rank}, recompute {rc}", lora := measure(model, args.rank, rc), bases,
-                 planned_transient(model, args.rank, rc))]
+    out = [table(f"LoRA rank {args.rank}, recompute {rc}", lora := measure(model, args.rank, rc, lay), bases,
+                 planned_transient(model, args.rank, rc, lay))]
     if not args.no_full:
-        out.append(table(f"full training, recompute {rc}", full := measure(model, 0, rc), bases,
-                         planned_transient(model, 0, rc)))
+        out.append(table(f"full training, recompute {rc}", full := measure(model, 0, rc, lay), bases,
+                         planned_transient(model, 0, rc, lay)))
         worst = max(range(4), key=lambda i: lora[i]["peak"])
         print(f"worst rank's peak: LoRA {lora[worst]['peak'] / MiB:.0f} MiB, full training "
               f"{full[worst]['peak'] / MiB:.0f} MiB ({lora[worst]['peak'] / full[worst]['peak']:.2f}x)")
     print(f"\n{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.machine()}, "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, tp 2 x pp 2, fp32, {time.time() - t0:.0f} s")
+          f"{os.cpu_count()} CPUs, torch {torch.__version__}, {lay}, fp32, {time.time() - t0:.0f} s")
     print("\n\n".join(out))
     return 0
 

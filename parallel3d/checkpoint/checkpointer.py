@@ -341,17 +341,17 @@ class Checkpointer:
         step = trainer.step if step is None else step
         self.writer.wait()  # the previous background save, before state is copied again
         placements = self._placements(trainer.model)
+        # LoRA on a Hugging Face base: what trains, and the base by reference (the job's
+        # model.hf_checkpoint, in the saved config); the frozen weights stay in the base
+        frozen_by_reference = bool(self.job.lora.rank and self.job.model.hf_checkpoint)
         # ZeRO 3: each dp rank writes its own shard of the weights (no bucket gathered)
-        slots = sharded_model_slots(trainer.optimizer, placements)
+        slots = sharded_model_slots(trainer.optimizer, placements, with_frozen=not frozen_by_reference)
         if slots is not None:
             slots = [s for s in slots if s.placement.owner]
         else:
             wait = getattr(trainer.optimizer, "wait_for_params", None)
             if wait is not None:
                 wait()  # a sharded optimizer may still be gathering the updated parameters
-            # LoRA on a Hugging Face base: what trains, and the base by reference (the job's
-            # model.hf_checkpoint, in the saved config); the frozen weights stay in the base
-            frozen_by_reference = bool(self.job.lora.rank and self.job.model.hf_checkpoint)
             slots = [Slot("model/" + placements[id(p)].name, placements[id(p)], p)
                      for p in trainer.model.parameters()
                      if placements[id(p)].writer and (p.requires_grad or not frozen_by_reference)]

@@ -83,13 +83,18 @@ def _zero_moments(opt) -> dict[str, list[torch.Tensor]]:
                           "(CPU-offloaded Adam state is not supported yet)")
 
 
-def sharded_model_slots(optimizer, placements: dict[int, Placement]) -> list[Slot] | None:
+def sharded_model_slots(optimizer, placements: dict[int, Placement], with_frozen: bool = True) -> list[Slot] | None:
     """ZeRO 3: the weights as this rank's flat shards of the parameter buckets, the same
-    ranges as its masters (each dp rank writes its own, nothing gathered); None when the
-    optimizer keeps whole parameters (the caller saves them as blocks)."""
+    ranges as its masters (each dp rank writes its own, nothing gathered), and with
+    ``with_frozen`` the frozen weights' shards (LoRA's base, ``zero/frozen.py``; without:
+    the base is saved by reference); None when the optimizer keeps whole parameters (the
+    caller saves them as blocks)."""
     parts = getattr(optimizer, "parts", (optimizer,))  # MoE: the dense and the expert part
     if not all(_is_zero(part) and getattr(part, "sharded", None) is not None for part in parts):
         return None
+    frozen = getattr(optimizer, "frozen", None)
+    if with_frozen and frozen is not None:
+        parts = (*parts, frozen)
     return [Slot(f"model/{pl.name}", pl, part.param_shards[b][lo:hi], (a, c))
             for part in parts for p, pl, b, lo, hi, a, c in _zero_segments(part, placements)]
 

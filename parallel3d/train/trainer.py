@@ -377,11 +377,11 @@ class Trainer:
         self.records.log_event(event)
 
     def close(self, finished: bool | None = None) -> None:
-        """End the run: the last records, the final checkpoint and export when the run
-        reached ``train.steps`` (else wait for a background save), then the data loader,
-        the metrics files and the watch."""
+        """End the run: the last records, the final checkpoint and export when the run reached
+        ``train.steps`` (else wait for a background save), the data loader, metrics and watch."""
         self.flush_records()
-        self.finish_param_gather()  # the caller may read the weights once the run is closed
+        if self.cfg.parallel.zero != 3:  # a caller may read the weights after (ZeRO 3: it asks, or OOM)
+            self.finish_param_gather()
         self.watch.pause("end of the run")
         if finished is None:
             finished = self.step >= self.cfg.train.steps

@@ -8,7 +8,8 @@ dtype; a module's buckets are all-gathered before its forward and again before i
 backward (the input gradient reads the weight), the next prefetched, and freed after.
 There is no gradient, so no reduction and no update: a bucket gathered for a backward is
 freed when the backward reaches an earlier module (``ShardedParams._pre_backward``) or
-at the pass's end. Per rank::
+at the pass's end. They are never gathered whole by the run (:meth:`FrozenShards.gather_all`
+is for a reader outside it). Per rank::
 
     persistently         frozen / (dp x cp)           the shards
     while in use         + the gathered buckets       (a module's, and one prefetched)
@@ -46,6 +47,7 @@ class FrozenShards:
         bucket_numel = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         self.layout = BucketLayout([p.numel() for p in params], bucket_numel, replicas.size)
         self.sharded = ShardedParams(self.layout, len(params), replicas.rank, replicas.group, device, dtype)
+        self.shard_rank, self.param_shards = replicas.rank, self.sharded.shards  # (what a checkpoint reads)
         views = self.sharded.views([p.shape for p in params])
         new = materialize_(model, device, dtype, storage={id(p): v for p, v in zip(params, views)},
                            only_storage=True)
@@ -57,7 +59,11 @@ class FrozenShards:
         self.sharded.fill_by_bucket(self.params, fill)
 
     def gather_all(self) -> None:
-        """Every frozen weight whole until :meth:`free_all` (an export reading them)."""
+        """Every frozen weight whole until :meth:`free_all`. Nothing in a run needs it (the
+        modules gather what they read, a checkpoint holds what trains, ``export_hf``
+        converts the saved checkpoint): the optimizer's ``finish_param_gather`` leaves
+        them sharded, so that the end of a 70B run does not gather the whole base on
+        every GPU. Tests and interactive readers call it."""
         self.sharded.gather_all()
 
     def free_all(self) -> None:

@@ -367,9 +367,7 @@ class ZeroOptimizer(GlobalNormOptimizer):
         every bucket gathered, and held until the next update frees them."""
         self._wait_gathers(list(self._gathers))
         if self.sharded is not None:
-            self.sharded.gather_all()
-        if self.frozen is not None:
-            self.frozen.gather_all()
+            self.sharded.gather_all()  # (not the frozen weights: nothing reads them but their modules)
 
     wait_for_params = finish_param_gather  # the name the checkpoints and older callers use
 

@@ -16,7 +16,8 @@ When (hooks on every module holding parameters, through :meth:`ShardedParams.hoo
 - forward pre-hook: the module's buckets (those of the layers it computes together with,
   ``shared_input``) are all-gathered over the replicas and waited for; the next bucket in
   forward order (the next lower index: buckets hold parameters in reverse order) is
-  prefetched (its all-gather issued, not waited for);
+  prefetched (its all-gather issued, not waited for), except in a forward re-run inside
+  a backward (recomputation), whose next module is already done;
 - forward post-hook: a bucket whose last user (registration order) this module is, is
   freed; a hook goes on the module's outputs for its backward;
 - the output's gradient hook (before the module's backward nodes run): the buckets are
@@ -262,7 +263,12 @@ class ShardedParams:
         self._handles = []
 
     def _pre_forward(self, buckets, module, args) -> None:
-        self.gather(buckets, prefetch=buckets[0] - 1)
+        # A recomputation inside a backward prefetches nothing: the next module in forward
+        # order has had its backward already, and a gather nobody waits for would hold its
+        # storage to the end of the pass (one bucket per recomputed layer: the whole model
+        # by then). The backward's own prefetch (_pre_backward) looks the other way.
+        recomputing = torch._C._current_graph_task_id() != -1
+        self.gather(buckets, prefetch=None if recomputing else buckets[0] - 1)
         for b in buckets:
             self._forward_refs[b] += 1
 
