@@ -1,8 +1,9 @@
 """LoRA on a Mixture-of-Experts model (``parallel3d/lora/experts.py``): every routed
 expert's projections and the shared expert's get adapters of their own; the model with
 them computes what the model with every adapter merged into its weight computes (fp32,
-1e-5); it trains with one process's per-step losses at dp 2 x ep 2 (ZeRO 1) and at
-tp 2 x pp 2 x dp 2 x ep 2 (ZeRO 2, zb-h1), the frozen weights bit-identical after
+1e-5); it trains with one process's per-step losses at dp 2 x ep 2 (ZeRO 1), at
+tp 2 x pp 2 x dp 2 x ep 2 (ZeRO 2 and 3, zb-h1) and at dp 4 x ep 2 (ZeRO 3: the frozen
+experts sharded over edp, the rest over dp), the frozen weights bit-identical after
 training, each rank holding the adapters of its own experts only, its gradient and
 optimizer bytes those the dry run states; a checkpoint resumes across ep."""
 
@@ -43,10 +44,16 @@ def _train(job: dict, stop_at: int | None = None) -> dict:
 
     cfg = config_from_dict(job)
     trainer = Trainer(cfg, Topology.of(cfg.parallel))
-    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
-    history = trainer.fit(stop_at=stop_at)
     opt = trainer.optimizer
     parts = getattr(opt, "parts", (opt,))
+    sharded = [part.frozen for part in parts if getattr(part, "frozen", None) is not None]  # ZeRO 3
+    for f in sharded:  # whole, to copy (freed by the first update)
+        f.gather_all()
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    history = trainer.fit(stop_at=stop_at)
+    report = memory_report(trainer.model, opt)  # (before anything is gathered again)
+    for f in sharded:
+        f.gather_all()
     params = dict(trainer.model.named_parameters())
     trainable = sorted(n for n, p in params.items() if p.requires_grad)
     return {"losses": [h["loss"] for h in history],
@@ -56,7 +63,7 @@ def _train(job: dict, stop_at: int | None = None) -> dict:
             "expert_adapters": sorted({n.split(".experts.")[1].split(".")[0] for n in trainable
                                        if ".experts." in n}),
             "adapter_numel": sum(params[n].numel() for n in trainable),
-            "report": memory_report(trainer.model, opt),
+            "report": report,
             "formula": lora_state_bytes(trainer.model, "fp32", cfg.parallel.zero, cfg.parallel.dp,
                                         cfg.parallel.dp // cfg.parallel.ep),
             "state_numel": sum(t.numel() for part in parts for t in part.memory_tensors()["optimizer_state"])}
@@ -122,6 +129,8 @@ def test_moe_lora_trains_only_adapters(reference):
 @pytest.mark.parametrize("parallel", [
     {"dp": 2, "ep": 2, "zero": 1},
     {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "zero": 2, "schedule": "zb-h1"},
+    {"dp": 4, "ep": 2, "zero": 3},
+    {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "zero": 3, "schedule": "zb-h1"},
 ], ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 def test_moe_lora_trains_as_one_process(pools, corpus_dir, tmp_path, reference, parallel):
     parallel = {"tp": 1, "pp": 1, **parallel}

@@ -92,9 +92,8 @@ def sharded_model_slots(optimizer, placements: dict[int, Placement], with_frozen
     parts = getattr(optimizer, "parts", (optimizer,))  # MoE: the dense and the expert part
     if not all(_is_zero(part) and getattr(part, "sharded", None) is not None for part in parts):
         return None
-    frozen = getattr(optimizer, "frozen", None)
-    if with_frozen and frozen is not None:
-        parts = (*parts, frozen)
+    if with_frozen:  # each part's frozen weights (LoRA at ZeRO 3), sharded as the part is
+        parts = (*parts, *[p.frozen for p in parts if getattr(p, "frozen", None) is not None])
     return [Slot(f"model/{pl.name}", pl, part.param_shards[b][lo:hi], (a, c))
             for part in parts for p, pl, b, lo, hi, a, c in _zero_segments(part, placements)]
 

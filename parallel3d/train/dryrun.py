@@ -157,11 +157,12 @@ def lora_state_bytes(module: torch.nn.Module, dtype: str, zero: int, dp: int, ex
     the elements of the rank's modules; the routed experts' adapters (``p3d_expert``)
     sharded over their own replicas, ``expert_dp`` (default ``dp``)."""
     params = list(module.parameters())
-    frozen = sum(p.numel() for p in params if not p.requires_grad)
-    experts = sum(p.numel() for p in params if p.requires_grad and getattr(p, "p3d_expert", False))
-    dense = sum(p.numel() for p in params if p.requires_grad) - experts
-    s = lora_states(dense, frozen, dtype, zero, dp)
-    e = lora_states(experts, 0, dtype, zero, expert_dp or dp)
+
+    def count(trains: bool, expert: bool) -> int:
+        return sum(p.numel() for p in params if p.requires_grad == trains and getattr(p, "p3d_expert", False) == expert)
+    # (ZeRO 3 shards the frozen experts over their replicas too)
+    s = lora_states(count(True, False), count(False, False), dtype, zero, dp)
+    e = lora_states(count(True, True), count(False, True), dtype, zero, expert_dp or dp)
     return StateBytes(s.weights + e.weights, s.grads + e.grads, s.master + s.optimizer + e.master + e.optimizer)
 
 

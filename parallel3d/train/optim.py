@@ -72,17 +72,27 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
     post-step all-gather with the next forward pass; ``timeline`` records the optimizer's collective waits. Under expert parallelism
     the experts get an optimizer of their own over their replicas (:class:`SplitOptimizer`)."""
     params = list(params)
-    if topo.ep > 1 and any(is_expert(p) for p in params):
-        # experts live on edp x cp replicas, the rest on dp x cp: one optimizer each
-        return SplitOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
-                              bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
-                              reduce_dtype=parallel_cfg.reduce_dtype,
-                              overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
-    # ZeRO 3 with frozen weights (LoRA's base): sharded too, before the optimizer would
-    # allocate them whole with the model's other meta tensors
-    frozen = None
-    if parallel_cfg.zero == 3 and model is not None and any(p.is_meta and not p.requires_grad for p in params):
-        frozen = FrozenShards(model, topo.replicas(), device, dtype or torch.float32, parallel_cfg.bucket_mb)
+    split = topo.ep > 1 and any(is_expert(p) for p in params)
+
+    def frozen_shards(replicas, select):  # ZeRO 3's frozen weights (LoRA's base): sharded too, before
+        # the optimizer would allocate them whole with the model's other meta tensors
+        if parallel_cfg.zero != 3 or model is None or not any(
+                p.is_meta and not p.requires_grad and select(p) for p in params):
+            return None
+        return FrozenShards(model, replicas, device, dtype or torch.float32, parallel_cfg.bucket_mb, select)
+
+    if split:
+        # experts live on edp x cp replicas, the rest on dp x cp: one optimizer each (and
+        # at ZeRO 3 the frozen weights likewise, beside their part)
+        frozen = (frozen_shards(topo.replicas(), lambda p: not is_expert(p)),
+                  frozen_shards(topo.expert_replicas(), is_expert))
+        opt = SplitOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
+                             bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
+                             reduce_dtype=parallel_cfg.reduce_dtype,
+                             overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
+        opt.dense.frozen, opt.experts.frozen = frozen
+        return opt
+    frozen = frozen_shards(topo.replicas(), lambda p: True)
     opt = ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
                         bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
                         reduce_dtype=parallel_cfg.reduce_dtype,

@@ -165,17 +165,12 @@ def check_memory_options(cfg: JobConfig) -> None:
 def check_zero3(cfg: JobConfig) -> None:
     """ZeRO 3 (parameters sharded and gathered around each module) is built and tested for
     models with every weight trained (dense and Mixture-of-Experts) and for LoRA (the
-    frozen base sharded too, ``zero/frozen.py``; not with experts split over ep),
-    optimizer state on the device."""
+    frozen base sharded too, ``zero/frozen.py``), optimizer state on the device."""
     if cfg.parallel.zero != 3:
         return
     if cfg.parallel.offload_optimizer:
         raise UserError("parallel.offload_optimizer is not supported with parallel.zero=3: use zero 1 or 2 "
                         "or parallel.offload_optimizer=false")
-    if cfg.lora.rank and cfg.parallel.ep > 1:
-        raise UserError("parallel.zero=3 with LoRA on a Mixture-of-Experts model at parallel.ep > 1 is not "
-                        "supported (the frozen experts would shard over the expert replicas): use zero 1 or 2, "
-                        "or parallel.ep = 1")
 
 
 def check_new_axes(par, model_cfg=None) -> None:

@@ -15,8 +15,9 @@ is for a reader outside it). Per rank::
     while in use         + the gathered buckets       (a module's, and one prefetched)
 
 A LoRA fine-tune of a 70B base at dp 8 then holds 17.5 GB of bf16 base per GPU, not
-140 GB, as FSDP-LoRA does. Mixture-of-Experts models are not covered (their experts
-would shard over the expert replicas): refused in ``train/setup.check_zero3``.
+140 GB, as FSDP-LoRA does. Under expert parallelism the frozen experts shard over their
+own replicas (edp x cp): one ``FrozenShards`` for them beside the expert optimizer, one
+for the rest beside the dense one (``train/optim.build_optimizer``, ``select``).
 """
 
 from __future__ import annotations
@@ -30,16 +31,17 @@ from .params import ShardedParams
 
 
 class FrozenShards:
-    """The frozen parameters of ``model`` (meta, ``requires_grad=False``) placed as views
-    of sharded buckets over ``replicas`` (a :class:`~parallel3d.topology.Replicas`: group,
-    size, rank), on ``device`` in ``dtype``, and hooked to be gathered around each use.
-    Fill them with :meth:`fill_params` (the seeded init or a checkpoint's slices, one
-    bucket at a time)."""
+    """The frozen parameters of ``model`` (meta, ``requires_grad=False``; those ``select``
+    takes, when given) placed as views of sharded buckets over ``replicas`` (a
+    :class:`~parallel3d.topology.Replicas`: group, size, rank), on ``device`` in ``dtype``,
+    and hooked to be gathered around each use. Fill them with :meth:`fill_params` (the
+    seeded init or a checkpoint's slices, one bucket at a time)."""
 
-    def __init__(self, model: torch.nn.Module, replicas, device, dtype: torch.dtype, bucket_mb: float):
+    def __init__(self, model: torch.nn.Module, replicas, device, dtype: torch.dtype, bucket_mb: float,
+                 select=None):
         seen, params = set(), []
         for p in model.parameters():
-            if not p.requires_grad and id(p) not in seen:
+            if not p.requires_grad and id(p) not in seen and (select is None or select(p)):
                 seen.add(id(p))
                 params.append(p)
         if not params or not all(p.is_meta for p in params):
