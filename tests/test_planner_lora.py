@@ -58,6 +58,7 @@ def test_planner_lora_states_equal_the_dry_runs(tmp_path, parallel, dtype, train
     ({"tp": 1, "pp": 1, "dp": 2, "ep": 2, "zero": 1}, "fp32"),
     ({"tp": 2, "pp": 2, "dp": 4, "ep": 2, "zero": 2}, "bf16"),
     ({"tp": 2, "pp": 1, "dp": 2, "ep": 1, "zero": 0}, "bf16"),
+    ({"tp": 1, "pp": 2, "dp": 4, "ep": 2, "zero": 3}, "bf16"),
 ])
 def test_planner_lora_states_on_experts_equal_the_dry_runs(tmp_path, parallel, dtype):
     # adapters on every routed expert's and the shared expert's projections: the routed
@@ -73,8 +74,14 @@ def test_planner_lora_states_on_experts_equal_the_dry_runs(tmp_path, parallel, d
     for report in found["reports"]:
         states, planned = report.states, report.planned
         assert report.params.held == planned.params
-        assert (states.weights, states.grads, states.optimizer) == (
-            planned.weights, planned.full_grads, planned.master + planned.optimizer), report.stage
+        assert (states.grads, states.optimizer) == (planned.full_grads, planned.master + planned.optimizer)
+        if parallel["zero"] < 3:
+            assert states.weights == planned.weights, report.stage
+        else:  # the shards (frozen experts over edp, the rest over dp) + the planner's units in
+            # flight: two, or the whole stage when a bucket (25 MiB) outsizes this tiny one
+            in_flight = planned.weights - states.weights
+            assert 0 < in_flight <= 2 * report.params.held, (planned.weights, states.weights)  # bf16
+            assert states.weights < 2 * report.params.held / 2  # sharded: under half the stage at dp 4
 
 
 def _adapters_70b(rank: int) -> int:

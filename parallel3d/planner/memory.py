@@ -276,8 +276,10 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         units = trained_units(model, layout, pp_rank, split, work.lora)
         trained, grad_largest = units.total, units.largest
         mem.params = n = n + units.adapters  # the adapters beside the base's weights
-        states = lora_states(trained - units.experts, n - trained, work.dtype, layout.zero, replicas)
-        experts = lora_states(units.experts, 0, work.dtype, layout.zero, expert_replicas)
+        # the routed experts' adapters and (sharded at ZeRO 3) their frozen weights live on
+        # the expert replicas, the rest on dp x cp
+        states = lora_states(trained - units.experts, n - trained - n_expert, work.dtype, layout.zero, replicas)
+        experts = lora_states(units.experts, n_expert, work.dtype, layout.zero, expert_replicas)
         mem.weights, mem.master, mem.optimizer, mem.full_grads = (
             states.weights + experts.weights, states.master + experts.master,
             states.optimizer + experts.optimizer, states.grads + experts.grads)

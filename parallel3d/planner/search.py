@@ -131,8 +131,6 @@ def _variants(work, tp, cp, pp, dp, mb, n_micro, fixed, bucket_rule=False):
     comms = CP_COMMS if cp > 1 else ("auto",)
     for (schedule, v), zero, recompute, sp, comm, ep in product(schedules, zeros, ("none", "selective", "full"),
                                                                  sps, comms, eps):
-        if work.lora is not None and zero == 3 and ep > 1:  # not modelled: the frozen experts over edp
-            continue
         layout = Layout(tp=tp, pp=pp, dp=dp, micro_batch=mb, schedule=schedule, virtual_stages=v,
                         zero=zero, recompute=recompute, sequence_parallel=sp, cp=cp, cp_comm=comm, ep=ep,
                         reduce_dtype=fixed.get("reduce_dtype", "fp32"),
