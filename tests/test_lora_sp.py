@@ -7,20 +7,14 @@ tp 2 x pp 2 x dp 2 (ZeRO 2, zb-h1) equal one process's (fp32, 1e-5), the base un
 from __future__ import annotations
 
 import pytest
-import torch
 
 from helpers import relative_diff
 from test_lora import _job, _train
 
 
 @pytest.fixture(scope="module")
-def reference(corpus_dir, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
-    finally:
-        torch.set_num_threads(threads)
+def reference(one_thread, corpus_dir, tmp_path_factory):
+    return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
 
 
 @pytest.mark.parametrize("parallel", [

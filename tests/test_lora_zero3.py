@@ -48,13 +48,8 @@ def _train(job: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(corpus_dir, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
-    finally:
-        torch.set_num_threads(threads)
+def reference(one_thread, corpus_dir, tmp_path_factory):
+    return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
 
 
 @pytest.mark.parametrize("parallel", [

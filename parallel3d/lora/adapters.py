@@ -76,9 +76,8 @@ def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
         # x is the module's gathered stand-in (or, untied, the shard itself): A reads this
         # rank's tokens (B, S/p, K), and H (B, S, r) is gathered, its gradient (a partial
         # sum over the ranks' output rows) reduce-scattered back
-        shared = layer.shared_input
-        shard = shared._entered[1] if shared is not None and shared._entered is not None else x
-        y = base_forward(x)  # (B, S, out/p)
+        shard = x if layer.shared_input is None else layer.shared_input.shard_of(x)
+        y = base_forward(x)  # (B, S, out/p); the last member's call ends the module's entry
         h = gather_from_sequence(layer.lora_A(shard), layer.group)
         return y + layer.lora_B(h * layer.lora_scaling)
     y = base_forward(x)  # (B, S, out/p)

@@ -35,8 +35,8 @@ class LoraSwiGLU:
 
     reads_grouped_backend = True  # use_grouped_gemm records the backend and keeps this
 
-    def __init__(self, experts: nn.Module, saved):
-        self.experts, self.saved = experts, saved  # saved: the swiglu the instance had, if its own
+    def __init__(self, experts: nn.Module):
+        self.experts = experts
 
     def __call__(self, x, counts, gate, up, down):
         held = list(self.experts.values())
@@ -68,7 +68,7 @@ def attach_experts(experts: nn.Module, targets, rank: int, alpha: float, tp: int
         for name in names:
             attach(getattr(expert, name), rank, alpha, tp, tp_rank)
     experts.lora_saved_swiglu = experts.__dict__.get("swiglu")
-    experts.swiglu = LoraSwiGLU(experts, experts.lora_saved_swiglu)
+    experts.swiglu = LoraSwiGLU(experts)
     return len(names)
 
 

@@ -228,6 +228,14 @@ class SharedInput:
         self._entered = (gathered, shard)
         return (gathered, *args[1:])
 
+    def shard_of(self, x: torch.Tensor) -> torch.Tensor:
+        """The token shard (B, S/p, K) that ``x``, the module's input as its pre-hook
+        handed it, stands for (``x`` itself without sequence parallelism or outside the
+        module's call): what another reader of the input (LoRA's A) may differentiate."""
+        if self._entered is not None and x is self._entered[0]:
+            return self._entered[1]
+        return x
+
     def output(self, layer, x: torch.Tensor) -> torch.Tensor:
         if x is not self._x or id(layer) not in self._outputs:
             source, gathered = x, None

@@ -55,6 +55,7 @@ from parallel3d.planner.memory import StageMemory, memory_per_stage
 from parallel3d.planner.spec import Layout, LoraSpec, Workload, layer_split, rank_chunks
 from parallel3d.topology import RankGrid, Topology
 from parallel3d.train.setup import check_job, resolve_model_config
+from parallel3d.zero.split import is_expert
 
 GiB = 2**30
 VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
@@ -151,16 +152,11 @@ def rank_modules(cfg: JobConfig, model_cfg, world_size: int, pp_rank: int, tp_ra
 
 
 def lora_state_bytes(module: torch.nn.Module, dtype: str, zero: int, dp: int, expert_dp: int | None = None) -> StateBytes:
-    """LoRA: the frozen weights in the storage dtype, with no gradient and no optimizer
-    state; gradients, masters and Adam state for what trains (the adapters,
-    ``lora.trainable``): the planner's :func:`~parallel3d.planner.lora.lora_states` with
-    the elements of the rank's modules; the routed experts' adapters (``p3d_expert``)
-    sharded over their own replicas, ``expert_dp`` (default ``dp``)."""
-    params = list(module.parameters())
-
+    """LoRA: the planner's :func:`~parallel3d.planner.lora.lora_states` with the elements of
+    the rank's modules; the routed experts' (``p3d_expert``: their adapters, and at ZeRO 3
+    their frozen weights' shards) over their own replicas, ``expert_dp`` (default ``dp``)."""
     def count(trains: bool, expert: bool) -> int:
-        return sum(p.numel() for p in params if p.requires_grad == trains and getattr(p, "p3d_expert", False) == expert)
-    # (ZeRO 3 shards the frozen experts over their replicas too)
+        return sum(p.numel() for p in module.parameters() if p.requires_grad == trains and is_expert(p) == expert)
     s = lora_states(count(True, False), count(False, False), dtype, zero, dp)
     e = lora_states(count(True, True), count(False, True), dtype, zero, expert_dp or dp)
     return StateBytes(s.weights + e.weights, s.grads + e.grads, s.master + s.optimizer + e.master + e.optimizer)

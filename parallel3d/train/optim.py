@@ -72,30 +72,27 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
     post-step all-gather with the next forward pass; ``timeline`` records the optimizer's collective waits. Under expert parallelism
     the experts get an optimizer of their own over their replicas (:class:`SplitOptimizer`)."""
     params = list(params)
-    split = topo.ep > 1 and any(is_expert(p) for p in params)
+    kwargs = dict(stage=parallel_cfg.zero, bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
+                  reduce_dtype=parallel_cfg.reduce_dtype, overlap_param_gather=parallel_cfg.overlap_param_gather,
+                  model=model, timeline=timeline, device=device, dtype=dtype)
 
-    def frozen_shards(replicas, select):  # ZeRO 3's frozen weights (LoRA's base): sharded too, before
-        # the optimizer would allocate them whole with the model's other meta tensors
+    def frozen_shards(replicas, select=None):
+        # ZeRO 3's frozen weights (LoRA's base) are sharded too, and first: the optimizer
+        # would allocate them whole with the model's other meta tensors
         if parallel_cfg.zero != 3 or model is None or not any(
-                p.is_meta and not p.requires_grad and select(p) for p in params):
+                p.is_meta and not p.requires_grad and (select is None or select(p)) for p in params):
             return None
         return FrozenShards(model, replicas, device, dtype or torch.float32, parallel_cfg.bucket_mb, select)
 
-    if split:
+    if topo.ep > 1 and any(is_expert(p) for p in params):
         # experts live on edp x cp replicas, the rest on dp x cp: one optimizer each (and
         # at ZeRO 3 the frozen weights likewise, beside their part)
         frozen = (frozen_shards(topo.replicas(), lambda p: not is_expert(p)),
                   frozen_shards(topo.expert_replicas(), is_expert))
-        opt = SplitOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
-                             bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
-                             reduce_dtype=parallel_cfg.reduce_dtype,
-                             overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
+        opt = SplitOptimizer(params, train_cfg, topo, **kwargs)
         opt.dense.frozen, opt.experts.frozen = frozen
         return opt
-    frozen = frozen_shards(topo.replicas(), lambda p: True)
-    opt = ZeroOptimizer(params, train_cfg, topo, stage=parallel_cfg.zero,
-                        bucket_mb=parallel_cfg.bucket_mb, offload=parallel_cfg.offload_optimizer,
-                        reduce_dtype=parallel_cfg.reduce_dtype,
-                        overlap_param_gather=parallel_cfg.overlap_param_gather, model=model, timeline=timeline, device=device, dtype=dtype)
+    frozen = frozen_shards(topo.replicas())
+    opt = ZeroOptimizer(params, train_cfg, topo, **kwargs)
     opt.frozen = frozen
     return opt
