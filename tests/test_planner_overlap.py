@@ -115,6 +115,26 @@ def test_zero3_lora_gathers_the_frozen_weights_and_reduces_the_adapters():
     assert full.total_s > lora.total_s + 2 * 4 * rs(1.5e8, 4)  # full training reduces every weight
 
 
+def test_zero3_lora_reduces_the_experts_adapters_over_their_own_replicas():
+    """At ep > 1 a layer's routed experts' adapters reduce over edp (8 ranks here), the
+    rest of its adapters over dp (64), as zero/frozen.py and the expert optimizer part do."""
+    gpu = A100
+    units = [Unit(0.2, 0.4, 2e8, expert_params=1.5e8, count=4, trained=3e6, trained_expert=2e6)]
+    kw = dict(tp=1, grad_bytes=4, weight_bytes=2, overlap_param_gather=True, bucket_bytes=2**40, gpu=gpu,
+              eff=EFF, gpus_per_node=8)
+    dense_bw, dense_lat = group_link(gpu, EFF, 64, 1, 8)
+    expert_bw, expert_lat = group_link(gpu, EFF, 8, 8, 8)  # edp 8 at ep 8: one member a node
+    def ring(n, nbytes, group, bw, lat):
+        return ring_seconds("all_gather" if nbytes == 2 else "reduce_scatter", n * nbytes, group, bw, lat)
+    gather = ring(0.5e8, 2, 64, dense_bw, dense_lat) + ring(1.5e8, 2, 8, expert_bw, expert_lat)
+    reduce = ring(1e6, 4, 64, dense_bw, dense_lat) + ring(2e6, 4, 8, expert_bw, expert_lat)
+    got = dp_time(units, 3, 1, replicas=64, expert_replicas=8, **kw)
+    assert got.total_s == pytest.approx(4 * gather + 3 * gather + 4 * reduce)  # the last layer's backward reuses its gather
+    dense = dp_time([Unit(0.2, 0.4, 2e8, expert_params=1.5e8, count=4, trained=3e6)], 3, 1, replicas=64,
+                    expert_replicas=8, **kw)
+    assert dense.total_s != pytest.approx(got.total_s)  # a mutation reducing them over dp changes the count
+
+
 def test_zero3_holds_a_shard_of_the_weights_and_two_gathered_units():
     model = PRESETS["8b"]
     work = Workload(model, 8192, 64)

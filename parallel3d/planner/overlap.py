@@ -66,6 +66,7 @@ class Unit:
     expert_params: float = 0.0  # of those, routed experts' (their own group)
     count: int = 1  # units alike in a row (a stage's decoder layers)
     trained: float | None = None  # of those, what has gradients (None: all; LoRA at ZeRO 3: the adapters)
+    trained_expert: float = 0.0  # of ``trained``, routed experts' adapters (reduced over the experts' replicas)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def dp_time(units: list[Unit], zero: int, m: int, replicas: int, expert_replicas
     if zero == 3:  # a unit's buckets gathered around its compute, one collective each
         # (LoRA: the frozen weights are gathered too, only what trains is reduced)
         traffic = [(seconds("all_gather", u, weight_bytes, p),
-                    seconds("reduce_scatter", u if u.trained is None else Unit(0, 0, u.trained), grad_bytes, p))
+                    seconds("reduce_scatter", u if u.trained is None else Unit(0, 0, u.trained, u.trained_expert),
+                            grad_bytes, p))
                    for u, p in zip(units, buckets)]
         flat = [(u, g, r) for u, (g, r) in zip(units, traffic) for _ in range(u.count)]
         fwd = [(g, u.fwd_s, 0.0) for u, g, _ in flat]

@@ -352,17 +352,19 @@ def stage_units(work: Workload, layout: Layout, pp_rank: int, split: list[int], 
     f_s, b_s = phase[0] * tokens / flop_rate, (phase[1] + phase[2]) * tokens / flop_rate
     per_layer = (n - (embed if first else 0) - head_params) / max(1, layers)
     trained = [None, None, None]  # of the embedding's, a layer's and the head's: what reduces (None: all)
+    trained_expert = 0.0  # of a layer's, the routed experts' adapters (reduced over edp)
     if work.lora is not None:  # LoRA: only what trains reduces its gradients ...
         lora = trained_units(model, layout, pp_rank, split, work.lora)
         lora_layer = (lora.total - lora.embed - lora.head - lora.experts) / max(1, layers)
         if layout.zero == 3:  # ... and ZeRO 3 gathers the frozen weights too (zero/frozen.py)
             trained = [lora.embed, lora_layer + lora.experts / max(1, layers), lora.head]
+            trained_expert = lora.experts / max(1, layers)
             per_layer += lora.adapters / max(1, layers)
         else:  # ... and ZeRO 1/2 gather only what they updated
             embed, head_params, per_layer, n_expert = lora.embed, lora.head, lora_layer, lora.experts
     units = [Unit(0.0, 0.0, embed, trained=trained[0])] if first else []
     units.append(Unit((f_s - head_s) / layers + f_comm, (b_s - 2 * head_s) / layers + b_comm, per_layer,
-                      n_expert / layers, count=layers, trained=trained[1]))
+                      n_expert / layers, count=layers, trained=trained[1], trained_expert=trained_expert))
     if last:
         units.append(Unit(head_s, 2 * head_s, head_params, trained=trained[2]))
     return units
