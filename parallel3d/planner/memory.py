@@ -259,48 +259,11 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     model, b = work.model, work.bytes
     split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     n, layers, largest = stage_params(model, layout, pp_rank, split)
-    m = layout.n_micro(work)
     n_expert = stage_expert_params(model, layout, pp_rank, split)
     mem = StageMemory(stage=pp_rank, layers=layers, params=n, expert_params=n_expert)
-    # weights are replicated over dp x cp: ZeRO shards and gradients reduce over both;
-    # routed experts over the ranks holding the same experts, edp x cp
-    replicas, expert_replicas = layout.replicas, layout.expert_replicas
-    zero = layout.zero >= 1
-    # The flat-buffer optimizer (parallel3d/zero) allocates everything at construction:
-    # the parameters (their dtype), fp32 masters when they are bf16, the moments, and the
-    # fp32 gradient buffers, resident from the first step to the last; one such optimizer
-    # for the dense parameters, one for the experts.
-    parts = [(n - n_expert, replicas), (n_expert, expert_replicas)]
-    trained, grad_largest = n, largest  # elements with a gradient, fp32 masters and Adam state
-    if work.lora is not None:  # LoRA: the base frozen, only what trains has state (planner.lora)
-        units = trained_units(model, layout, pp_rank, split, work.lora)
-        trained, grad_largest = units.total, units.largest
-        mem.params = n = n + units.adapters  # the adapters beside the base's weights
-        # the routed experts' adapters and (sharded at ZeRO 3) their frozen weights live on
-        # the expert replicas, the rest on dp x cp
-        states = lora_states(trained - units.experts, n - trained - n_expert, work.dtype, layout.zero, replicas)
-        experts = lora_states(units.experts, n_expert, work.dtype, layout.zero, expert_replicas)
-        mem.weights, mem.master, mem.optimizer, mem.full_grads = (
-            states.weights + experts.weights, states.master + experts.master,
-            states.optimizer + experts.optimizer, states.grads + experts.grads)
-        if layout.zero == 3:  # the frozen base sharded too: a unit gathered and the next prefetched
-            unit = max(zero3_unit_params(model, layout, pp_rank, split),
-                       (bucket_bytes or int(layout.bucket_mb * 2**20)) // b["weight"])
-            mem.weights += min(n, 2 * unit) * b["weight"]
-    else:
-        mem.weights = n * b["weight"]
-        if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched
-            # (a unit is whole buckets: one larger than a layer gathers more than the layer)
-            unit = max(zero3_unit_params(model, layout, pp_rank, split),
-                       (bucket_bytes or int(layout.bucket_mb * 2**20)) // 4)
-            mem.weights = sum(k * b["weight"] // r for k, r in parts) + min(n, 2 * unit) * b["weight"]
-        mem.master = sum(k * b["master"] // (r if zero else 1) for k, r in parts)
-        mem.optimizer = sum(k * ADAM_BYTES // (r if zero else 1) for k, r in parts)
-        if layout.zero >= 2:  # gradients accumulate in the shard only
-            mem.full_grads = sum(4 * k // r for k, r in parts)
-        else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
-            mem.full_grads = 4 * n + (sum(4 * k // r for k, r in parts) if layout.zero == 1 else 0)
-    bucket = min(bucket_bytes or int(layout.bucket_mb * 2**20), 4 * trained)
+    bucket_bytes = bucket_bytes or int(layout.bucket_mb * 2**20)
+    trained, grad_largest = _model_states(mem, work, layout, pp_rank, split, bucket_bytes, largest)
+    bucket = min(bucket_bytes, 4 * trained)
     # (never more buckets than the gradients fill)
     in_flight_buckets = min(MAX_INFLIGHT, -(-4 * trained // bucket)) * bucket if bucket else 0
     # Inside a backward: stage 2 packs each bucket into a fresh fp32 buffer, at most
@@ -312,9 +275,73 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     transient_grads = grad_largest * b["weight"]
     if layout.zero >= 2:
         transient_grads += in_flight_buckets
-    if gloo and layout.zero >= 1 and replicas > 1:
+    if gloo and layout.zero >= 1 and layout.replicas > 1:
         transient_grads += in_flight_buckets
+    # A W computes its chunk's weight gradients, handing them to autograd in groups of up
+    # to FLUSH_BYTES (kernels/deferred.py): what exists at once besides the buffers.
+    w_group = min(FLUSH_BYTES, trained * b["weight"] // layout.virtual_stages) + grad_largest * b["weight"]
+    _activation_peak(mem, work, layout, pp_rank, split, transient_grads, w_group, gloo)
+    mem.grads = mem.full_grads
+    # The step: clipping and torch's fused AdamW work in place over the flat shards, and
+    # the all-gathers of stages 1 and 2 land in the parameter buffer: no temporaries
+    # beyond the norm's per-piece scalars.
+    mem.step_transient = 0
+    # Start-up: the buffers above, plus the seeded initialisation's host chunk
+    # (tensor_parallel/init.py: 2^18 elements, ~48 bytes each in flight) or one slice of
+    # one tensor read from a checkpoint (the largest, in fp32 at most).
+    mem.startup_transient = max(INIT_CHUNK_BYTES, 4 * largest)
+    return mem
 
+
+def _model_states(mem: StageMemory, work: Workload, layout: Layout, pp_rank: int, split: list[int],
+                  bucket_bytes: int, largest: int) -> tuple[int, int]:
+    """``mem``'s weights, masters, moments and gradient buffers; returns the elements with
+    a gradient and the largest of them (LoRA: the adapters and what stays trainable)."""
+    model, b = work.model, work.bytes
+    n, n_expert = mem.params, mem.expert_params
+    # weights are replicated over dp x cp: ZeRO shards and gradients reduce over both;
+    # routed experts over the ranks holding the same experts, edp x cp
+    replicas, expert_replicas = layout.replicas, layout.expert_replicas
+    zero = layout.zero >= 1
+    # The flat-buffer optimizer (parallel3d/zero) allocates everything at construction:
+    # the parameters (their dtype), fp32 masters when they are bf16, the moments, and the
+    # fp32 gradient buffers, resident from the first step to the last; one such optimizer
+    # for the dense parameters, one for the experts.
+    parts = [(n - n_expert, replicas), (n_expert, expert_replicas)]
+    if work.lora is not None:  # LoRA: the base frozen, only what trains has state (planner.lora)
+        units = trained_units(model, layout, pp_rank, split, work.lora)
+        trained = units.total
+        mem.params = n = n + units.adapters  # the adapters beside the base's weights
+        # the routed experts' adapters and (sharded at ZeRO 3) their frozen weights live on
+        # the expert replicas, the rest on dp x cp
+        states = lora_states(trained - units.experts, n - trained - n_expert, work.dtype, layout.zero, replicas)
+        experts = lora_states(units.experts, n_expert, work.dtype, layout.zero, expert_replicas)
+        mem.weights, mem.master, mem.optimizer, mem.full_grads = (
+            states.weights + experts.weights, states.master + experts.master,
+            states.optimizer + experts.optimizer, states.grads + experts.grads)
+        if layout.zero == 3:  # the frozen base sharded too: a unit gathered and the next prefetched
+            unit = max(zero3_unit_params(model, layout, pp_rank, split), bucket_bytes // b["weight"])
+            mem.weights += min(n, 2 * unit) * b["weight"]
+        return trained, units.largest
+    mem.weights = n * b["weight"]
+    if layout.zero == 3:  # this rank's shard, plus a unit gathered while it runs and the next prefetched
+        # (a unit is whole buckets: one larger than a layer gathers more than the layer)
+        unit = max(zero3_unit_params(model, layout, pp_rank, split), bucket_bytes // 4)
+        mem.weights = sum(k * b["weight"] // r for k, r in parts) + min(n, 2 * unit) * b["weight"]
+    mem.master = sum(k * b["master"] // (r if zero else 1) for k, r in parts)
+    mem.optimizer = sum(k * ADAM_BYTES // (r if zero else 1) for k, r in parts)
+    if layout.zero >= 2:  # gradients accumulate in the shard only
+        mem.full_grads = sum(4 * k // r for k, r in parts)
+    else:  # the whole fp32 buffer (stage 1 also keeps its reduced shard)
+        mem.full_grads = 4 * n + (sum(4 * k // r for k, r in parts) if layout.zero == 1 else 0)
+    return n, largest
+
+
+def _activation_peak(mem: StageMemory, work: Workload, layout: Layout, pp_rank: int, split: list[int],
+                     transient_grads: int, w_group: int, gloo: bool) -> None:
+    """``mem``'s activations, backward transient and micro-batches in flight at the
+    stage's peak moment (``peak_moments``: a forward, a backward or a W of the schedule)."""
+    model, b = work.model, work.bytes
     tokens = layout.micro_batch * work.seq_len // layout.cp  # a cp rank's head-tail chunks
     chunk_act, chunk_stash, one_layer = stage_activation_bytes(model, tokens, layout, b["act"], layout.recompute,
                                                                 split, pp_rank)
@@ -322,7 +349,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         adapter_act = tokens * len(work.lora.targets) * work.lora.rank * b["act"]
         one_layer += adapter_act
         if layout.recompute != "full":
-            chunk_act += adapter_act * layers / layout.virtual_stages
+            chunk_act += adapter_act * mem.layers / layout.virtual_stages
     # One layer's context-parallel and all-to-all buffers exist while it runs, and while
     # a rebuilt layer runs its backward.
     rebuilt = cp_transient_bytes(model, tokens, layout, b["act"]) + a2a_transient_bytes(model, layout, tokens,
@@ -335,10 +362,7 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
     saved, extra = head_activation_bytes(model, tokens, layout, b["act"], cpu=gloo)
     head_stash = head_stash_bytes(model, tokens, layout, b["act"])
     best = None
-    # A W computes its chunk's weight gradients, handing them to autograd in groups of up
-    # to FLUSH_BYTES (kernels/deferred.py): what exists at once besides the buffers.
-    w_group = min(FLUSH_BYTES, trained * b["weight"] // layout.virtual_stages) + grad_largest * b["weight"]
-    for alive, alive_last, waiting, waiting_last, is_last in peak_moments(layout, m, pp_rank):
+    for alive, alive_last, waiting, waiting_last, is_last in peak_moments(layout, layout.n_micro(work), pp_rank):
         act = (alive * chunk_act + (alive - alive_last) * stashed + alive_last * saved
                + waiting * chunk_stash + waiting_last * head_stash)
         if is_last is None:  # a W: no recomputation, no loss buffers
@@ -357,16 +381,6 @@ def stage_memory(work: Workload, layout: Layout, pp_rank: int, split: list[int] 
         if best is None or total > best[0]:
             best = (total, act, transient, alive + waiting)
     _, mem.activations, mem.backward_transient, mem.in_flight = best
-    mem.grads = mem.full_grads
-    # The step: clipping and torch's fused AdamW work in place over the flat shards, and
-    # the all-gathers of stages 1 and 2 land in the parameter buffer: no temporaries
-    # beyond the norm's per-piece scalars.
-    mem.step_transient = 0
-    # Start-up: the buffers above, plus the seeded initialisation's host chunk
-    # (tensor_parallel/init.py: 2^18 elements, ~48 bytes each in flight) or one slice of
-    # one tensor read from a checkpoint (the largest, in fp32 at most).
-    mem.startup_transient = max(INIT_CHUNK_BYTES, 4 * largest)
-    return mem
 
 
 def memory_per_stage(work: Workload, layout: Layout, split: list[int] | None = None,

@@ -20,7 +20,7 @@ shard; the updated shard is written into the parameter buffer and (stages 1 and 
 bucket is all-gathered back to all ranks. Those all-gathers are asynchronous: with
 ``model`` given, each module waits, in a forward pre-hook, only for the buckets holding
 its own parameters, so the first layers compute while the later layers' parameters are
-still arriving.
+still arriving (that publication, and ``take_masters``: :mod:`parallel3d.zero.publish`).
 
 It receives whatever parameters ``parallelize`` left on this rank and the topology's
 groups; tensor parallelism shows only in the gradients several tp ranks hold partially
@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import math
 import typing
-from functools import partial
 
 import torch
 
 from parallel3d.config import TrainConfig, ZeroStage
-from parallel3d.distributed import all_gather_flat, all_reduce
+from parallel3d.distributed import all_reduce
 from parallel3d.grad_norm import (GlobalNormOptimizer, applies_weight_decay, clip_factor,
                                   counts_in_norm, norm_pieces, squared_norm)
 from parallel3d.pipeline.timeline import comm_span
@@ -47,7 +46,8 @@ from parallel3d.topology import Topology
 from .adam import CpuOffloadAdamW, FlatAdamW
 from .buckets import BucketLayout
 from .grads import GradReducer
-from .params import ShardedParams, bucket_readers
+from .params import ShardedParams
+from .publish import ParamPublication
 
 
 def _unique(params) -> list[torch.nn.Parameter]:
@@ -59,7 +59,7 @@ def _unique(params) -> list[torch.nn.Parameter]:
     return out
 
 
-class ZeroOptimizer(GlobalNormOptimizer):
+class ZeroOptimizer(ParamPublication, GlobalNormOptimizer):
     """AdamW over flat buffers; optimizer state (stage 1) and gradients (stage 2) sharded
     over dp.
 
@@ -215,23 +215,6 @@ class ZeroOptimizer(GlobalNormOptimizer):
         else:
             fill(params)
 
-    @torch.no_grad()
-    def take_masters(self) -> None:
-        """fp32 master weights <- this rank's shard of the parameters' current values (at
-        construction from real parameters; the trainer calls it once the parameters are
-        initialised or loaded). Nothing to do when fp32 parameters are their own masters.
-        Stage 3: the shards are taken from the full buckets first, which are then freed."""
-        if self.sharded is not None:
-            self.sharded.shard_from_full()
-        if self.master_is_param:
-            if self.sharded is not None:
-                self.sharded.free_all()
-            return
-        for b, master in zip(self.layout.buckets, self.masters):
-            master.copy_(self.param_shards[b.index])
-        if self.sharded is not None:
-            self.sharded.free_all()
-
     def _build_partial_pieces(self) -> None:
         """(slice of the gradient shard, p3d_tp_shared) for parameters marked
         ``p3d_tp_partial_grad``, in layout order."""
@@ -270,12 +253,6 @@ class ZeroOptimizer(GlobalNormOptimizer):
             self.adam = CpuOffloadAdamW(self.masters, views, runs, self.cfg)
         else:
             self.adam = FlatAdamW(self.masters, grad, self.layout.shard_offsets(), runs, self.cfg)
-
-    def _hook_forward(self, model: torch.nn.Module) -> None:
-        """Before a module's forward, wait for the all-gathers of the buckets holding the
-        parameters it reads (:func:`bucket_readers`)."""
-        for module, buckets in bucket_readers(model, self.params, self.layout):
-            module.register_forward_pre_hook(partial(self._wait_gathers, buckets))
 
     # -- the interface the trainer sees ------------------------------------------------------
     def begin_step(self, backward_passes: int | None = None) -> None:
@@ -327,49 +304,6 @@ class ZeroOptimizer(GlobalNormOptimizer):
             self._grad_host.copy_(grad)
         self.adam.step(self.step_count, lr)
         self._publish_params()
-
-    def _publish_params(self) -> None:
-        """Updated master shards -> parameter buffer -> (stages 1, 2) all-gathered to every
-        dp rank.
-
-        Buckets are sent last-first: the last bucket holds the first layers, which the
-        next forward pass needs first. Stage 3 gathers nothing: every full bucket, now
-        stale, is freed, and the forward gathers what it reads."""
-        if self.sharded is not None:
-            if not self.master_is_param:
-                torch._foreach_copy_(self.param_shards, self.masters)
-            self.sharded.free_all()
-            if self.frozen is not None:
-                self.frozen.free_all()  # unchanged, but whatever read them whole is done
-            return
-        for b in reversed(range(len(self.layout.buckets))):
-            if not self.master_is_param:
-                self.param_shards[b].copy_(self.masters[b], non_blocking=True)
-            if self.shards_over_dp and self.dp_group is not None:
-                bucket = self.layout.buckets[b]
-                out = self.param_buffer[bucket.offset:bucket.offset + bucket.numel]
-                self._gathers[b] = all_gather_flat(out, self.param_shards[b], group=self.dp_group,
-                                                   async_op=True)
-        if not self._overlap_gather:
-            self.finish_param_gather()
-
-    def _wait_gathers(self, buckets: list[int], module=None, args=None) -> None:
-        if self._gathers:
-            for b in buckets:
-                work = self._gathers.pop(b, None)
-                if work is not None:
-                    work.wait()
-
-    def finish_param_gather(self) -> None:
-        """Block until every parameter holds the values of the last step: whatever reads
-        the parameters outside the next forward pass (a checkpoint, an evaluation, an
-        export, the gradient norm, a caller after the last step) calls it first. Stage 3:
-        every bucket gathered, and held until the next update frees them."""
-        self._wait_gathers(list(self._gathers))
-        if self.sharded is not None:
-            self.sharded.gather_all()  # (not the frozen weights: nothing reads them but their modules)
-
-    wait_for_params = finish_param_gather  # the name the checkpoints and older callers use
 
     def release(self) -> None:
         """Let go of the parameters' gradient hooks (see :meth:`GradReducer.release`), after
