@@ -53,6 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common  # noqa: E402
 import peers  # noqa: E402
+import peers_deepspeed  # noqa: E402
+import peers_torch  # noqa: E402
 
 
 @dataclass
@@ -66,30 +68,30 @@ class Row:
 
 ROWS = {
     "dp-zero1": Row(2, {"dp": 2, "zero": 1},
-                    [("DeepSpeed ZeRO-1", peers.run_deepspeed_zero, {}, None)], "dp=2, ZeRO-1"),
+                    [("DeepSpeed ZeRO-1", peers_deepspeed.run_deepspeed_zero, {}, None)], "dp=2, ZeRO-1"),
     "dp-zero2": Row(2, {"dp": 2, "zero": 2},
-                    [("DeepSpeed ZeRO-2", peers.run_deepspeed_zero, {}, None)], "dp=2, ZeRO-2"),
+                    [("DeepSpeed ZeRO-2", peers_deepspeed.run_deepspeed_zero, {}, None)], "dp=2, ZeRO-2"),
     "pp2": Row(2, {"pp": 2, "schedule": "1f1b"},
-               [("torch Schedule1F1B", peers.run_torch_pipelining, {}, None),
-                ("DeepSpeed PipelineEngine", peers.run_deepspeed_pipe, {"ds_pp": 2}, None)],
+               [("torch Schedule1F1B", peers_torch.run_torch_pipelining, {}, None),
+                ("DeepSpeed PipelineEngine", peers_deepspeed.run_deepspeed_pipe, {"ds_pp": 2}, None)],
                "pp=2, 1F1B, 4 micro-batches"),
     "pp4": Row(4, {"pp": 4, "schedule": "1f1b"},
-               [("torch Schedule1F1B", peers.run_torch_pipelining, {}, None),
-                ("DeepSpeed PipelineEngine", peers.run_deepspeed_pipe, {"ds_pp": 4}, None)],
+               [("torch Schedule1F1B", peers_torch.run_torch_pipelining, {}, None),
+                ("DeepSpeed PipelineEngine", peers_deepspeed.run_deepspeed_pipe, {"ds_pp": 4}, None)],
                "pp=4, 1F1B, 4 micro-batches"),
-    "tp2": Row(2, {"tp": 2}, [("torch DTensor TP", peers.run_dtensor_tp, {}, None)],
+    "tp2": Row(2, {"tp": 2}, [("torch DTensor TP", peers_torch.run_dtensor_tp, {}, None)],
                "tp=2, 4 micro-batches"),
     "pp2-dp2-zero1": Row(4, {"pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
-                         [("DeepSpeed pipe+ZeRO-1", peers.run_deepspeed_pipe,
+                         [("DeepSpeed pipe+ZeRO-1", peers_deepspeed.run_deepspeed_pipe,
                            {"ds_pp": 2, "ds_zero": 1}, None)],
                          "pp=2 x dp=2, ZeRO-1: the 3d row's peer layout, run by both"),
     "pp2-dp4-zero1": Row(8, {"pp": 2, "dp": 4, "zero": 1, "schedule": "1f1b"},
-                         [("DeepSpeed pipe+ZeRO-1", peers.run_deepspeed_pipe,
+                         [("DeepSpeed pipe+ZeRO-1", peers_deepspeed.run_deepspeed_pipe,
                            {"ds_pp": 2, "ds_zero": 1}, None)],
                          "pp=2 x dp=4, ZeRO-1, micro-batches of 1: DeepSpeed's 8-rank layout, run by both",
                          {"micro_batch": 1}),
     **{f"pp{pp}-{zb}": Row(pp, {"pp": pp, "schedule": zb, "virtual_stages": 2 if zb == "zb-v" else 1},
-                           [(f"torch {cls}", peers.run_torch_pipelining,
+                           [(f"torch {cls}", peers_torch.run_torch_pipelining,
                              {"schedule": cls, "stage_layout": {"pp": pp, **cut}}, None)
                             for cls, cut in (("Schedule1F1B", {"schedule": "1f1b"}),
                                              ("ScheduleZBVZeroBubble", {"schedule": "zb-v", "virtual_stages": 2}),
@@ -101,7 +103,7 @@ ROWS = {
                            {"micro_batch": 2 if pp == 2 else 1})  # layers: --zb-layers
        for pp in (2, 4) for zb in ("zb-h1", "zb-v")},
     "3d": Row(8, {"tp": 2, "pp": 2, "dp": 2, "zero": 1, "schedule": "1f1b"},
-              [("torch 3D: DTensor TP x Schedule1F1B x dp all-reduce", peers.run_torch_3d, {}, None)],
+              [("torch 3D: DTensor TP x Schedule1F1B x dp all-reduce", peers_torch.run_torch_3d, {}, None)],
               "tp=2 x pp=2 x dp=2, ZeRO-1, 1F1B (DeepSpeed has no tensor parallelism)"),
 }
 

@@ -79,10 +79,10 @@ def test_compare_runs_a_row_end_to_end(tmp_path):
     assert float(cells[-1]) < 1e-5, row
 
 
-def _peer_losses(fn_name: str, layout: dict, steps: int, kw: dict) -> list[float]:
-    import peers
+def _peer_losses(module: str, fn_name: str, layout: dict, steps: int, kw: dict) -> list[float]:
+    import importlib
 
-    return getattr(peers, fn_name)(layout, steps, **kw).losses
+    return getattr(importlib.import_module(module), fn_name)(layout, steps, **kw).losses
 
 
 def test_torch_zero_bubble_peers_train_our_chunks_to_our_losses(pools, corpus_dir):
@@ -93,10 +93,10 @@ def test_torch_zero_bubble_peers_train_our_chunks_to_our_losses(pools, corpus_di
     kw = {"global_batch": 8, "micro_batch": 2, "seq_len": 32, "corpus_dir": corpus_dir,
           "model": {"n_layers": 4, "vocab_size": 512}}
     zbv = {"pp": 2, "schedule": "zb-v", "virtual_stages": 2}
-    ours = pools(2).run(_peer_losses, "run_ours", zbv, 3, kw)
-    theirs = pools(2).run(_peer_losses, "run_torch_pipelining", zbv, 3,
+    ours = pools(2).run(_peer_losses, "peers", "run_ours", zbv, 3, kw)
+    theirs = pools(2).run(_peer_losses, "peers_torch", "run_torch_pipelining", zbv, 3,
                           {**kw, "schedule": "ScheduleZBVZeroBubble"})
-    interleaved = pools(2).run(_peer_losses, "run_torch_pipelining", zbv, 3,
+    interleaved = pools(2).run(_peer_losses, "peers_torch", "run_torch_pipelining", zbv, 3,
                                {**kw, "schedule": "ScheduleInterleavedZeroBubble",
                                 "stage_layout": {"pp": 2, "schedule": "interleaved", "virtual_stages": 2}})
     for run in (theirs, interleaved):
