@@ -53,7 +53,7 @@ def write_synthetic(folder: Path) -> None:
     import torch
 
     from parallel3d.checkpoint.format import model_identity
-    from parallel3d.checkpoint.save import RankPayload, build_index, write_rank_files
+    from parallel3d.checkpoint.rank_files import RankPayload, build_index, write_rank_files
     from parallel3d.checkpoint.state import Placement, Slot, logical_shapes
     from parallel3d.models.llama import LlamaConfig
 

@@ -15,7 +15,7 @@ from parallel3d.checkpoint.errors import CheckpointError
 from parallel3d.checkpoint.format import Index, check_same_model, flat_boxes, model_identity
 from parallel3d.checkpoint.reader import CheckpointReader
 from parallel3d.checkpoint.safetensors_io import SafetensorsFile, write_file
-from parallel3d.checkpoint.save import RankPayload, build_index, write_rank_files
+from parallel3d.checkpoint.rank_files import RankPayload, build_index, write_rank_files
 from parallel3d.checkpoint.state import Placement, Slot
 from parallel3d.models.llama import config_from_preset
 

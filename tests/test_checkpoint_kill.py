@@ -26,6 +26,7 @@ from parallel3d.checkpoint.state import Placement, Slot
 
 CHILD = r"""
 import os, sys, time
+import parallel3d.checkpoint.rank_files as rank_files
 import parallel3d.checkpoint.save as save
 sys.path.insert(0, sys.argv[3])
 from test_checkpoint_kill import payload
@@ -44,7 +45,7 @@ def stop_here(name):
     open(marker, "w").write(name)
     time.sleep(600)
 
-save._phase = stop_here
+save._phase = rank_files._phase = stop_here
 writer.save(payload(4))
 """
 

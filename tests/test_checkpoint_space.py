@@ -23,6 +23,7 @@ import parallel3d.checkpoint.room as room
 import parallel3d.checkpoint.save as save
 from parallel3d.checkpoint.errors import CheckpointError
 from parallel3d.checkpoint.reader import CheckpointReader, complete_checkpoints, read_latest
+from parallel3d.checkpoint.safetensors_io import StreamingWriter
 from parallel3d.checkpoint.save import CheckpointWriter, RankPayload
 from parallel3d.checkpoint.state import Placement, Slot
 
@@ -50,7 +51,7 @@ def _save_with_a_failing_rank(root: str, fail_rank: int) -> dict:
     writer = CheckpointWriter(Path(root), rank, world, dist.group.WORLD, keep=0, token="run")
     writer.save(payload(2, rank, world))
     if rank == fail_rank:  # the disk fills after this rank's first tensor
-        real = save.StreamingWriter.write
+        real = StreamingWriter.write
         calls = {"n": 0}
 
         def write(self, key, tensor):
@@ -59,7 +60,7 @@ def _save_with_a_failing_rank(root: str, fail_rank: int) -> dict:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             real(self, key, tensor)
 
-        save.StreamingWriter.write = write
+        StreamingWriter.write = write
     try:
         writer.save(payload(4, rank, world))
         error = None
@@ -67,7 +68,7 @@ def _save_with_a_failing_rank(root: str, fail_rank: int) -> dict:
         error = str(e)
     finally:
         if rank == fail_rank:
-            save.StreamingWriter.write = real
+            StreamingWriter.write = real
     dist.barrier()
     return {"error": error, "listing": _listing(Path(root))}
 
@@ -140,14 +141,14 @@ class ShortDisk:
         real_usage = shutil.disk_usage
         monkeypatch.setattr(room.shutil, "disk_usage",
                             lambda p: real_usage(p)._replace(total=capacity, free=capacity - _du(root)))
-        real_write = save.StreamingWriter.write
+        real_write = StreamingWriter.write
 
         def write(w, key, tensor):
             if _du(root) + tensor.numel() * tensor.element_size() > capacity:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             real_write(w, key, tensor)
 
-        monkeypatch.setattr(save.StreamingWriter, "write", write)
+        monkeypatch.setattr(StreamingWriter, "write", write)
 
 
 def _one_checkpoint_bytes(tmp_path: Path) -> int:

@@ -188,7 +188,7 @@ def _tp_checkpoint(folder, tp: int = 2):
     by tp: the last block of each split is padded, as the trainer saves it. Returns the
     logical tensors."""
     from parallel3d.checkpoint.format import model_identity
-    from parallel3d.checkpoint.save import RankPayload, build_index, write_rank_files
+    from parallel3d.checkpoint.rank_files import RankPayload, build_index, write_rank_files
     from parallel3d.checkpoint.state import Placement, Slot, logical_shapes
     from parallel3d.models.llama import LlamaConfig
 

@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from parallel3d.errors import UserError
 
-from .errors import CheckpointError
 from .format import check_same_model, model_identity
 from .optim_state import load_optimizer, optimizer_slots, sharded_model_slots
 from .reader import CheckpointReader, find_checkpoint
+from .sampler_state import foreign_sampler_state, load_sampler_state, sampler_state_at
 from .save import CheckpointWriter, RankPayload, patient, snapshot
 from .state import Slot, param_placements, read_block, rng_state, set_rng_state
 
@@ -232,11 +232,8 @@ class Checkpointer:
         had_optimizer = load_optimizer(trainer.optimizer, placements, trainer_state.get("optimizer"),
                                        self.reader)
         step = int(trainer_state.get("step", self.reader.step))
-        if self.foreign:
-            sampler_state = self._foreign_sampler_state(trainer, step)
-        else:
-            sampler_state = trainer_state.get("sampler")
-        self._load_sampler(trainer, sampler_state, step)
+        saved = foreign_sampler_state(trainer, step) if self.foreign else trainer_state.get("sampler")
+        load_sampler_state(trainer, saved, step, self.reader.folder)
         if not self.foreign:
             index = self.reader.index
             same_layout = all(index.layout.get(k) == v for k, v in _layout(self.job, self.topo).items())
@@ -251,12 +248,6 @@ class Checkpointer:
         self._last_saved = step
         return step
 
-    def _foreign_sampler_state(self, trainer, step: int) -> dict | None:
-        s = trainer.sampler
-        if not hasattr(s, "state_dict"):
-            return None
-        return {**s.state_dict(), "consumed_samples": step * s.global_batch}
-
     def _foreign_note(self, opt: dict) -> str:
         """What came across, and the source's hyper-parameters where they differ from ours."""
         t = self.job.train
@@ -266,43 +257,6 @@ class Checkpointer:
         lr = f"; its last lr {opt['lr']:g}" if isinstance(opt.get("lr"), (int, float)) else ""
         warn = f"; differing: {', '.join(differ)}" if differ else ""
         return f" (Adam moments and step {opt.get('step')} from it{lr}{warn})"
-
-    def _sampler_state(self, trainer, step: int) -> dict:
-        """The data position after ``step`` (``trainer.step`` or the step before it: a
-        stopped step consumed one global batch that its checkpoint gives back)."""
-        s = trainer.sampler
-        if not hasattr(s, "state_dict"):
-            # The step-indexed sampler: its position is the step; record what it depends on.
-            return {"consumed_samples": step * s.global_batch, "seed": s.seed,
-                    "num_samples": s.num_samples}
-        state = s.state_dict()
-        if step != trainer.step:
-            consumed = state["consumed_samples"] - (trainer.step - step) * s.global_batch
-            state["consumed_samples"] = consumed
-            if "epoch" in state:
-                state["epoch"] = consumed // s.num_samples
-        return state
-
-    def _load_sampler(self, trainer, state: dict | None, step: int) -> None:
-        s = trainer.sampler
-        if state is None:
-            return
-        # A prefetching loader restarts from the restored position (what it read ahead
-        # belongs to the old one); else the sampler itself.
-        loader = getattr(getattr(trainer, "data", None), "loader", None)
-        for target in (loader, s):
-            if target is not None and hasattr(target, "load_state_dict"):
-                target.load_state_dict(state)
-                return
-        for key, mine in (("seed", s.seed), ("num_samples", s.num_samples)):
-            if state.get(key) != mine:
-                raise CheckpointError(f"{self.reader.folder}: the data sampler was saved with {key} "
-                                      f"{state.get(key)}, this run has {mine} (resume with the same "
-                                      "data, train.seq_len and train.seed)")
-        if state.get("consumed_samples") != step * s.global_batch:
-            raise CheckpointError(f"{self.reader.folder}: {state.get('consumed_samples')} samples were "
-                                  f"consumed in {step} steps; train.global_batch {s.global_batch} "
-                                  "differs from the saved run's: resume with the same global batch")
 
     # -- saving ----------------------------------------------------------------------------
     @property
@@ -368,7 +322,7 @@ class Checkpointer:
             fields = {"model": model_identity(self.model_cfg), "config": self.job.to_dict(),
                       "layout": _layout(self.job, self.topo),
                       "trainer": {"step": step, "optimizer": opt_scalars,
-                                  "sampler": self._sampler_state(trainer, step)}}
+                                  "sampler": sampler_state_at(trainer, step)}}
             if self.hf_config:
                 fields["hf_config"] = self.hf_config
         # async: the writer's thread copies the tensors, and the optimizer's next update

@@ -293,14 +293,7 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     ep_comm_s = m * ep_slot
 
     # -- pipeline point-to-point ------------------------------------------------------
-    pp_comm_s = 0.0
-    if layout.pp > 1:
-        # pipeline neighbours are tp*dp ranks apart: on NVLink only if the whole pipeline
-        # fits in one node, otherwise the slowest hop crosses nodes
-        bw, lat = _links(gpu, eff, layout.world_size <= gpus_per_node)
-        shard = layout.tp if layout.sequence_parallel else 1
-        msg = act_bytes / shard / bw + lat
-        pp_comm_s = 2 * (m + bubble_s / slot) * layout.virtual_stages * msg
+    pp_comm_s = _pp_seconds(layout, act_bytes, m + bubble_s / slot, gpu, gpus_per_node, eff)
 
     # -- data parallelism and the optimizer step ----------------------------------------
     # Each stage's collectives against its own compute (the slot's communication spread
@@ -310,18 +303,7 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     dp = max((stage_dp_time(work, layout, r, split, phases[r], tokens, flop_rate, f_comm, b_comm, gpu,
                             gpus_per_node, eff) for r in range(layout.pp)), key=lambda d: d.exposed_s)
     dp_comm_s = dp.exposed_s
-    # Adam reads and writes master weights (or fp32 weights) and both moments, reads the
-    # gradient, and writes the bf16 weights back: about 32 bytes per element held.
-    fullest = max(range(layout.pp), key=lambda r: stage_params(model, layout, r, split)[0])
-    n_expert = stage_expert_params(model, layout, fullest, split)
-    parts = [(stage_params(model, layout, fullest, split)[0] - n_expert, layout.replicas),
-             (n_expert, layout.expert_replicas)]
-    if work.lora is not None:  # only what trains is stepped
-        units = max((trained_units(model, layout, r, split, work.lora) for r in range(layout.pp)),
-                    key=lambda u: u.total)
-        parts = [(units.total - units.experts, layout.replicas), (units.experts, layout.expert_replicas)]
-    held = sum(n / (replicas if layout.zero >= 1 else 1) for n, replicas in parts)
-    optimizer_s = 32 * held / (gpu.hbm_bytes_per_s * eff.memory)
+    optimizer_s = _optimizer_seconds(work, layout, split, gpu, eff)
 
     step_s = compute_s + bubble_s + tp_comm_s + cp_comm_s + ep_comm_s + pp_comm_s + dp_comm_s + optimizer_s
     tokens_per_s = work.tokens_per_step / step_s
@@ -332,6 +314,38 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
                     pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
                     tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops),
                     cp_comm_s=cp_comm_s, ep_comm_s=ep_comm_s, dp_hidden_s=dp.hidden_s)
+
+
+def _pp_seconds(layout: Layout, act_bytes: float, slots: float, gpu: GPU, gpus_per_node: int,
+                eff: Efficiency) -> float:
+    """The pipeline's point-to-point seconds: a send and a receive of a micro-batch's
+    activations per chunk and per slot of the slowest stage (``slots``: the micro-batches
+    plus the bubble, in slots)."""
+    if layout.pp == 1:
+        return 0.0
+    # pipeline neighbours are tp*dp ranks apart: on NVLink only if the whole pipeline
+    # fits in one node, otherwise the slowest hop crosses nodes
+    bw, lat = _links(gpu, eff, layout.world_size <= gpus_per_node)
+    shard = layout.tp if layout.sequence_parallel else 1
+    msg = act_bytes / shard / bw + lat
+    return 2 * slots * layout.virtual_stages * msg
+
+
+def _optimizer_seconds(work: Workload, layout: Layout, split: list[int], gpu: GPU, eff: Efficiency) -> float:
+    """The optimizer step of the fullest stage. Adam reads and writes master weights (or
+    fp32 weights) and both moments, reads the gradient, and writes the bf16 weights back:
+    about 32 bytes per element held (LoRA: only what trains is stepped)."""
+    model = work.model
+    fullest = max(range(layout.pp), key=lambda r: stage_params(model, layout, r, split)[0])
+    n_expert = stage_expert_params(model, layout, fullest, split)
+    parts = [(stage_params(model, layout, fullest, split)[0] - n_expert, layout.replicas),
+             (n_expert, layout.expert_replicas)]
+    if work.lora is not None:
+        units = max((trained_units(model, layout, r, split, work.lora) for r in range(layout.pp)),
+                    key=lambda u: u.total)
+        parts = [(units.total - units.experts, layout.replicas), (units.experts, layout.expert_replicas)]
+    held = sum(n / (replicas if layout.zero >= 1 else 1) for n, replicas in parts)
+    return 32 * held / (gpu.hbm_bytes_per_s * eff.memory)
 
 
 def stage_units(work: Workload, layout: Layout, pp_rank: int, split: list[int], phase: tuple[float, float, float],
