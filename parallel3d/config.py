@@ -267,7 +267,7 @@ class LoraConfig:
 
     rank: int = 0  # r of A (r, in) and B (out, r); 0: no adapters
     alpha: float = 16.0  # the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)
-    dropout: float = 0.0  # 0 only (a dropout on the adapters' input is not implemented)
+    dropout: float = 0.0  # the probability of zeroing an adapter input element (lora/dropout.py); 0: none
     # projections that get adapters, by their Hugging Face names (as PEFT's target_modules)
     targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     # other weights that stay trainable: a name part of the parameter ("norm", "embed_tokens",

@@ -128,7 +128,7 @@ def test_lora_trains_as_one_process(pools, corpus_dir, tmp_path, reference, para
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"lora": {"rank": 4, "dropout": 0.1}}, "lora.dropout"),
+    ({"lora": {"rank": 4, "dropout": 1.0}}, "lora.dropout 1.0 is outside [0, 1)"),
     ({"lora": {"rank": 4, "targets": ["q_prj"]}}, "did you mean 'q_proj'"),
     ({"lora": {"rank": 4, "trainable": ["norms"]}}, "did you mean 'norm'"),
 ])

@@ -21,11 +21,17 @@ Chat data and packed documents need more, carried by :class:`MicroBatch`:
 * ``cu_seqlens`` / ``max_doc_len``: the same documents as spans of the B*S flattened
   tokens (int32 starts and the total, the longest span), computed on the host with the
   batch (:func:`document_spans`) so that a GPU's variable-length attention kernel needs no
-  device-to-host read to size itself.
+  device-to-host read to size itself;
+* ``token_keys`` (B, S) int64: each token's place in the run's token stream
+  (:func:`stream_token_keys`), only when something draws per-token randomness from it
+  (LoRA's dropout, ``lora/dropout.py``). The pipeline runtime makes them current while
+  it runs the micro-batch's forward, backward (recomputation included) or W
+  (:func:`running`); a validation batch has none.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -42,11 +48,12 @@ class MicroBatch:
     cu_seqlens: torch.Tensor | None = None  # (N+1,) int32: document starts over B*S, then B*S
     max_doc_len: int | None = None  # the longest document span (host int)
     sources: torch.Tensor | None = None  # (B,) int64: each row's data.blend source; None: one dataset
+    token_keys: torch.Tensor | None = None  # (B, S) int64: each token's place in the token stream
 
     def _map(self, fn) -> "MicroBatch":
         keep = (lambda t: None if t is None else fn(t))
         return MicroBatch(keep(self.inputs), keep(self.targets), keep(self.positions), self.loss_divisor,
-                          keep(self.cu_seqlens), self.max_doc_len, keep(self.sources))
+                          keep(self.cu_seqlens), self.max_doc_len, keep(self.sources), keep(self.token_keys))
 
     def to(self, device, non_blocking: bool = False) -> "MicroBatch":
         """On ``device``; off the CPU the positions keep their host copy as
@@ -69,6 +76,34 @@ class MicroBatch:
         if self.cu_seqlens is not None:
             side.update(cu_seqlens=self.cu_seqlens, max_doc_len=self.max_doc_len)
         return side
+
+
+def stream_token_keys(first_sample: int, rows: int, seq_len: int) -> torch.Tensor:
+    """(rows, seq_len) int64: the token keys of ``rows`` consecutive samples of the
+    sampler's stream from ``first_sample`` on, windows of ``seq_len`` tokens: sample
+    position x window length + index in the window (unique over the run, whatever the
+    layout, and the same after a resume)."""
+    first = torch.arange(first_sample, first_sample + rows, dtype=torch.int64) * seq_len
+    return first[:, None] + torch.arange(seq_len, dtype=torch.int64)
+
+
+_CURRENT_KEYS: list = [None]  # the token keys of the micro-batch being run (single-threaded)
+
+
+def current_token_keys() -> torch.Tensor | None:
+    """The token keys of the micro-batch whose action the pipeline runs now (None outside
+    one, or when its batch carries none)."""
+    return _CURRENT_KEYS[0]
+
+
+@contextlib.contextmanager
+def running(mb):
+    """Make ``mb``'s token keys current for the enclosed forward, backward or W."""
+    saved, _CURRENT_KEYS[0] = _CURRENT_KEYS[0], getattr(mb, "token_keys", None)
+    try:
+        yield
+    finally:
+        _CURRENT_KEYS[0] = saved
 
 
 def document_spans(positions: torch.Tensor) -> tuple[torch.Tensor, int]:

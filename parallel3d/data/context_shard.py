@@ -31,22 +31,23 @@ class ContextShardWindows:
     def __getattr__(self, name):
         return getattr(self.windows, name)
 
-    def _shard(self, x):
+    def shard_tokens(self, x):
+        """This cp rank's chunks of ``x`` (B, S, ...): the tokens it holds."""
         return shard_sequence(x, self.cp, self.cp_rank, dim=1)
 
     def _positions(self, inputs, positions):
         if positions is not None:
-            return self._shard(positions)
+            return self.shard_tokens(positions)
         batch, seq = inputs.shape
         return shard_positions(seq, self.cp, self.cp_rank).expand(batch, -1).contiguous()
 
     def batch(self, idx) -> MicroBatch:
         inputs, targets = self.windows.batch(idx)
-        return MicroBatch(self._shard(inputs), self._shard(targets), self._positions(inputs, None))
+        return MicroBatch(self.shard_tokens(inputs), self.shard_tokens(targets), self._positions(inputs, None))
 
     def micro_batch(self, idx, divisor: float) -> MicroBatch:
         mb = self.windows.micro_batch(idx, divisor)
         # the replicas of a gradient are dp x cp: the divisor (global supervised / dp) / cp
-        return MicroBatch(self._shard(mb.inputs), self._shard(mb.targets),
+        return MicroBatch(self.shard_tokens(mb.inputs), self.shard_tokens(mb.targets),
                           self._positions(mb.inputs, mb.positions), mb.loss_divisor / self.cp,
                           sources=mb.sources)

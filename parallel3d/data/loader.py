@@ -28,22 +28,39 @@ import weakref
 
 import torch
 
-from parallel3d.data.batch import MicroBatch
+from parallel3d.data.batch import MicroBatch, stream_token_keys
 from parallel3d.data.sampler import GlobalBatchSampler, TokenWindows
 from parallel3d.data.stalls import MAX_PREFETCH, StallMonitor
 
 _DONE = object()
 
 
-def step_micro_batches(windows, sampler: GlobalBatchSampler, position: int) -> list:
+def step_micro_batches(windows, sampler: GlobalBatchSampler, position: int, token_keys: bool = False) -> list:
     """This rank's micro-batches of the global batch at ``position``: ``(inputs, targets)``
     pairs from :class:`TokenWindows`; from :class:`PackedWindows`, micro-batches carrying
     positions and the loss divisor, the supervised targets of the whole global batch
-    (counted by every rank from the sampler, no collective) over dp."""
+    (counted by every rank from the sampler, no collective) over dp. ``token_keys``:
+    :class:`MicroBatch` es carrying each token's place in the token stream (this rank's
+    samples are the stream's ``position + dp_rank * global_batch / dp`` on, in order; a cp
+    shard's tokens are its chunks of the window)."""
     if not hasattr(windows, "supervised"):  # TokenWindows (a cp shard forwards the attribute)
-        return [windows.batch(idx) for idx in sampler.indices_at(position)]
-    divisor = max(1, windows.supervised(sampler.global_indices_at(position))) / sampler.dp
-    return [windows.micro_batch(idx, divisor) for idx in sampler.indices_at(position)]
+        out = [windows.batch(idx) for idx in sampler.indices_at(position)]
+    else:
+        divisor = max(1, windows.supervised(sampler.global_indices_at(position))) / sampler.dp
+        out = [windows.micro_batch(idx, divisor) for idx in sampler.indices_at(position)]
+    if not token_keys:
+        return out
+    first = position + sampler.dp_rank * (sampler.global_batch // sampler.dp)
+    keyed = []
+    for mb in out:
+        mb = mb if isinstance(mb, MicroBatch) else MicroBatch(mb[0], mb[1])
+        rows, seq = mb.inputs.shape
+        shard = getattr(windows, "shard_tokens", None)  # context parallelism: the window's chunks
+        keys = stream_token_keys(first, rows, seq * (windows.cp if shard is not None else 1))
+        mb.token_keys = shard(keys) if shard is not None else keys
+        keyed.append(mb)
+        first += rows
+    return keyed
 
 
 def _to(mb, device):
@@ -53,11 +70,11 @@ def _to(mb, device):
 
 
 def _build_step(windows: TokenWindows, sampler: GlobalBatchSampler, position: int, pin: bool,
-                check=None, monitor: StallMonitor | None = None):
+                check=None, monitor: StallMonitor | None = None, token_keys: bool = False):
     t0 = time.perf_counter()
     if check is not None:
         check(position)
-    out = step_micro_batches(windows, sampler, position)
+    out = step_micro_batches(windows, sampler, position, token_keys)
     if pin:
         out = [mb.pin_memory() if isinstance(mb, MicroBatch) else tuple(t.pin_memory() for t in mb)
                for mb in out]
@@ -67,13 +84,13 @@ def _build_step(windows: TokenWindows, sampler: GlobalBatchSampler, position: in
 
 
 def _produce(windows, sampler, start: int, pin: bool, q: queue.Queue, stop: threading.Event, check,
-             monitor=None):
+             monitor=None, token_keys: bool = False):
     # A plain function (not a method) so that the thread holds no reference to the loader:
     # a loader nobody closes is still collected, and its finalizer stops this thread.
     position = start
     try:
         while not stop.is_set():
-            item = (position, _build_step(windows, sampler, position, pin, check, monitor))
+            item = (position, _build_step(windows, sampler, position, pin, check, monitor, token_keys))
             while not stop.is_set():
                 try:
                     q.put(item, timeout=0.2)
@@ -98,8 +115,10 @@ def _stop_thread(thread: threading.Thread | None, stop: threading.Event) -> None
 
 class PrefetchLoader:
     def __init__(self, windows: TokenWindows, sampler: GlobalBatchSampler,
-                 device: torch.device, depth: int = 2, check=None, before_step=None, log=None):
+                 device: torch.device, depth: int = 2, check=None, before_step=None, log=None,
+                 token_keys: bool = False):
         self.windows, self.sampler, self.device, self.depth = windows, sampler, device, depth
+        self.token_keys = token_keys  # micro-batches carry their tokens' stream keys (LoRA's dropout)
         self.check, self.before_step = check, before_step  # see the module docstring
         # waits against steps (parallel3d/data/stalls.py); ``log`` prints its data-bound line
         self.stalls, self.log = StallMonitor(depth), log
@@ -115,7 +134,7 @@ class PrefetchLoader:
         self._thread = threading.Thread(
             target=_produce, name="p3d-prefetch", daemon=True,
             args=(self.windows, self.sampler, self.sampler.consumed, self._pin, self._queue, self._stop,
-                  self.check, self.stalls))
+                  self.check, self.stalls, self.token_keys))
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop_thread, self._thread, self._stop)
 
@@ -127,7 +146,7 @@ class PrefetchLoader:
             self.before_step()
         if self.depth <= 0:
             batches = _build_step(self.windows, self.sampler, self.sampler.consumed, self._pin, self.check,
-                                  self.stalls)
+                                  self.stalls, self.token_keys)
         else:
             if self._thread is None:
                 self._start()

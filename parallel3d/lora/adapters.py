@@ -35,6 +35,9 @@ Under sequence parallelism (a rank holds S/p of the tokens between layers):
 ``SharedInput``). The GEMMs go through ``tensor_parallel.split_backward.linear``: their weight gradients
 honour the zero-bubble B/W split and a ``main_grad``, as the layers' own weights do. A
 frozen base weight (``requires_grad=False``) gets no gradient there: its W does nothing.
+``lora.dropout`` masks A's input (``lora/dropout.py``): the whole input on a column
+layer (each tp rank draws the same mask; under sequence parallelism its token shard's),
+the rank's columns on a row layer.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from parallel3d.tensor_parallel.comm import gather_from_sequence, reduce_scatter_to_sequence
 from parallel3d.tensor_parallel.layers import mark_sharded
 from parallel3d.tensor_parallel.split_backward import linear
+
+from .dropout import drop_input
 
 
 class LoraFactor(nn.Module):
@@ -78,17 +83,18 @@ def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
         # sum over the ranks' output rows) reduce-scattered back
         shard = x if layer.shared_input is None else layer.shared_input.shard_of(x)
         y = base_forward(x)  # (B, S, out/p); the last member's call ends the module's entry
+        shard = drop_input(layer, shard, token_shard=(layer.lora_tp_rank, layer.lora_tp))
         h = gather_from_sequence(layer.lora_A(shard), layer.group)
         return y + layer.lora_B(h * layer.lora_scaling)
     y = base_forward(x)  # (B, S, out/p)
-    h = layer.lora_A(x)  # (B, S, r), the same on every rank
+    h = layer.lora_A(drop_input(layer, x))  # (B, S, r), the same on every rank (so is the mask)
     h = copy_to_tp_region(h, layer.group)  # backward: dH summed over the ranks' output rows
     return y + layer.lora_B(h * layer.lora_scaling)  # (B, S, out/p); scaled at rank r (see _plain_forward)
 
 
 def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
     y = base_forward(x)  # (B, S, out) reduced; under sequence parallelism (B, S/p, out)
-    h = layer.lora_A(x)  # (B, S, r), partial sum
+    h = layer.lora_A(drop_input(layer, x, offset=layer.weight.p3d_tp_range[0]))  # (B, S, r), partial sum
     if layer.sequence_parallel:  # summed and scattered as Y is: (B, S/p, r)
         h = reduce_scatter_to_sequence(h, layer.group)
     else:  # h is ours, reduced in place, unless selective recomputation keeps the GEMM outputs
@@ -99,13 +105,15 @@ def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
 def _plain_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
     # The scaling multiplies the (B, S, r) factor, not the (B, S, out) product as PEFT
     # does: the same function (to rounding), one output-sized pass fewer each way.
-    return base_forward(x) + layer.lora_B(layer.lora_A(x) * layer.lora_scaling)
+    return base_forward(x) + layer.lora_B(layer.lora_A(drop_input(layer, x)) * layer.lora_scaling)
 
 
-def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int) -> None:
+def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int, dropout: float = 0.0,
+           salt: int = 0) -> None:
     """Give ``layer`` (a ColumnParallelLinear, RowParallelLinear or, at tp 1, nn.Linear;
     on any device, meta included) the adapters ``lora_A``, ``lora_B`` (uninitialised,
-    laid out as the module docstring says) and a forward that adds them."""
+    laid out as the module docstring says) and a forward that adds them; ``dropout`` on
+    A's input with masks keyed by ``salt`` (``lora/dropout.py``)."""
     if hasattr(layer, "lora_A"):
         raise ValueError("LoRA adapters already attached to this layer")
     w = layer.weight
@@ -142,6 +150,7 @@ def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int) -> 
     if getattr(w, "p3d_expert", False):  # a routed expert's: reduced and sharded with the experts
         layer.lora_A.weight.p3d_expert = layer.lora_B.weight.p3d_expert = True
     layer.lora_scaling = alpha / rank
+    layer.lora_dropout, layer.lora_salt, layer.lora_tp_rank, layer.lora_tp = dropout, salt, tp_rank, tp
     # the instance's forward as it stands (split_weight_grads may have replaced nn.Linear's),
     # kept to be put back by detach
     layer.lora_saved_forward = layer.__dict__.get("forward")
@@ -152,6 +161,7 @@ def detach(layer: nn.Module) -> None:
     """Remove ``layer``'s adapters and give it back the forward it had before :func:`attach`."""
     saved = layer.__dict__.pop("lora_saved_forward")
     del layer.lora_A, layer.lora_B, layer.lora_scaling
+    del layer.lora_dropout, layer.lora_salt, layer.lora_tp_rank, layer.lora_tp
     if saved is None:
         del layer.forward  # the class's own
     else:

@@ -22,6 +22,7 @@ from parallel3d.errors import UserError, did_you_mean
 from parallel3d.tensor_parallel.init import counter_normal_
 
 from .adapters import adapter_parameters, attach
+from .dropout import dropout_salt
 from .experts import attach_experts
 from .peft_io import load_adapter_
 
@@ -45,8 +46,8 @@ def lora_problems(cfg) -> list[str]:
         return out
     if lora.alpha <= 0:
         out.append(f"lora.alpha {lora.alpha} must be positive (the adapters' output is scaled by alpha / rank)")
-    if lora.dropout != 0:
-        out.append(f"lora.dropout {lora.dropout}: only 0 is implemented; set lora.dropout=0")
+    if not 0 <= lora.dropout < 1:
+        out.append(f"lora.dropout {lora.dropout} is outside [0, 1): the probability of zeroing an adapter input")
     for t in lora.targets:
         if t not in TARGETS:
             out.append(f"lora.targets: unknown projection {t!r}{did_you_mean(t, TARGETS)}; one of {', '.join(TARGETS)}")
@@ -76,6 +77,10 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
         raise UserError("; ".join(problems))
     if lora.rank == 0:
         return model
+    if lora.dropout > 0 and _model_cfg(model).moe is not None and set(lora.targets) & set(MLP_TARGETS):
+        # an expert's tokens arrive permuted by the dispatch, without their stream keys
+        raise UserError(f"lora.dropout {lora.dropout} on a Mixture-of-Experts model's MLP projections is not "
+                        "implemented: set lora.dropout=0, or keep lora.targets to the attention projections")
     on_experts = False
     for key, layer in model.layers.items():
         experts = getattr(layer.mlp, "experts", None)  # a Mixture-of-Experts layer's routed experts
@@ -91,7 +96,9 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
             proj = getattr(owner, target, None)
             if not isinstance(proj, torch.nn.Module):
                 raise UserError(f"LoRA: layer {key} has no {target}: drop {target} from lora.targets")
-            attach(proj, lora.rank, lora.alpha, topo.tp, topo.tp_rank)
+            name = f"layers.{key}.{'self_attn' if owner is layer.self_attn else 'mlp'}.{target}"
+            attach(proj, lora.rank, lora.alpha, topo.tp, topo.tp_rank, lora.dropout,
+                   dropout_salt(cfg.train.seed, name))
         if experts is not None:
             on_experts |= attach_experts(experts, lora.targets, lora.rank, lora.alpha, topo.tp, topo.tp_rank) > 0
     if on_experts and cfg.checkpoint.export_peft:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from parallel3d.data.batch import running
 from parallel3d.distributed import all_reduce
 
 from parallel3d.kernels.deferred import DeferredWeightGrads, deferring
@@ -192,7 +193,8 @@ class PipelineSchedule:
             if pending is not None and any((msg.kind, msg.chunk, msg.mb) not in st.inbox
                                            for msg in inputs_of(action, self.owners)):
                 pending = self._receive(pending, st)
-            self._ACTIONS[action.op](self, action, st)
+            with running(st.micro_batches[action.mb]):  # its token keys (LoRA's dropout)
+                self._ACTIONS[action.op](self, action, st)
             if self.watch is not None:  # each pass is progress: a long step is not a hang
                 self.watch.progress(self.device)
         if pending is not None:

@@ -98,7 +98,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parallel3d.planner.lora import lora_states, trained_units
+from parallel3d.planner.lora import dropout_input_elements, lora_states, trained_units
 from parallel3d.planner.experts import (a2a_transient_bytes, moe_selective_bytes, moe_token_bytes,
                                        sparse_layers_of)
 from parallel3d.planner.moments import (backward_moments, head_stash_bytes, in_flight,  # noqa: F401 - this module's API
@@ -347,9 +347,12 @@ def _activation_peak(mem: StageMemory, work: Workload, layout: Layout, pp_rank: 
                                                                 split, pp_rank)
     if work.lora is not None:  # each adapter's lora_B keeps its (tokens, r) input (lora_A's is the layer's)
         adapter_act = tokens * len(work.lora.targets) * work.lora.rank * b["act"]
-        one_layer += adapter_act
+        # with dropout lora_A's input is the dropped copy (recomputed under selective)
+        dropped = tokens * dropout_input_elements(model, layout.tp, work.lora, layout.sequence_parallel) * b["act"]
+        one_layer += adapter_act + dropped
         if layout.recompute != "full":
-            chunk_act += adapter_act * mem.layers / layout.virtual_stages
+            chunk_act += (adapter_act + (dropped if layout.recompute == "none" else 0)) * mem.layers \
+                / layout.virtual_stages
     # One layer's context-parallel and all-to-all buffers exist while it runs, and while
     # a rebuilt layer runs its backward.
     rebuilt = cp_transient_bytes(model, tokens, layout, b["act"]) + a2a_transient_bytes(model, layout, tokens,

@@ -38,13 +38,14 @@ class LoraSpec:
     rank: int = 16
     targets: tuple[str, ...] = LORA_TARGETS
     trainable: tuple[str, ...] = ()
+    dropout: float = 0.0  # > 0: each adapter keeps its dropped input for A's weight gradient
 
     @classmethod
     def from_config(cls, lora) -> "LoraSpec | None":
         """The spec of a ``LoraConfig``; None when ``lora.rank`` is 0 (every weight trains)."""
         if not lora.rank:
             return None
-        return cls(lora.rank, tuple(lora.targets), tuple(lora.trainable))
+        return cls(lora.rank, tuple(lora.targets), tuple(lora.trainable), lora.dropout)
 
 
 @dataclass(frozen=True)

@@ -318,6 +318,12 @@ def _print_rank0(topo: Topology):
     return (lambda line: print(f"parallel3d: {line}", flush=True)) if topo.rank == 0 else None
 
 
+def _wants_token_keys(cfg: JobConfig) -> bool:
+    """Whether training batches carry their tokens' stream keys: LoRA's dropout draws its
+    masks from them (``lora/dropout.py``)."""
+    return cfg.lora.rank > 0 and cfg.lora.dropout > 0
+
+
 def build_blend_data(cfg: JobConfig, topo: Topology, device: torch.device, model_vocab: int) -> TrainData:
     """:func:`build_train_data` for ``data.blend``."""
     blend = open_blend(cfg, model_vocab)
@@ -332,7 +338,7 @@ def build_blend_data(cfg: JobConfig, topo: Topology, device: torch.device, model
 
     loader = PrefetchLoader(windows, sampler, device, depth=cfg.data.prefetch,
                             check=IdRangeCheck(blend.train, sampler, model_vocab), before_step=poll,
-                            log=_print_rank0(topo))
+                            log=_print_rank0(topo), token_keys=_wants_token_keys(cfg))
     val_windows = val_sampler = val_check = val_sources = None
     if blend.val is not None:
         mixed = BlendedWindows(blend.names, blend.val)
@@ -364,7 +370,7 @@ def build_train_data(cfg: JobConfig, topo: Topology, device: torch.device,
     verifier = start_verifier(dataset, topo, device)
     loader = PrefetchLoader(windows, sampler, device, depth=cfg.data.prefetch,
                             check=IdRangeCheck(windows, sampler, model_vocab),
-                            before_step=verifier.poll, log=_print_rank0(topo))
+                            before_step=verifier.poll, log=_print_rank0(topo), token_keys=_wants_token_keys(cfg))
     val_windows = val_sampler = None
     if val is not None:
         val_windows = _for_rank(val, topo)
