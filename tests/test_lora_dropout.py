@@ -6,8 +6,9 @@ tokens and columns are split; the batches' token keys at dp 2 x cp 2 against one
 process's; per-step losses with ``lora.dropout = 0.1`` at tp 2 (with and without sequence
 parallelism), pp 2 (zb-h1, full recomputation), dp 2 (ZeRO 2), cp 2 and 2x2x2 equal one
 process's with the same dropout (fp32, 1e-5, the LoRA parity bar), and differ from the
-run without dropout; evaluation runs without it; a Mixture-of-Experts model's MLP
-adapters refuse it in one line.
+run without dropout; a dp 2 run stopped at step 4 and resumed at tp 2 continues with
+them; evaluation runs without it; the planner counts the dropped inputs autograd keeps;
+a Mixture-of-Experts model's MLP adapters refuse it in one line.
 """
 
 from __future__ import annotations
@@ -208,3 +209,30 @@ def test_the_planner_counts_the_dropped_inputs_autograd_keeps(one_thread, corpus
     assert alive == model.n_layers * tokens * 4 * dropout_input_elements(model, 1, LoraSpec.from_config(cfg.lora),
                                                                          False)
     del out
+
+
+def _train_until(job: dict, stop_at: int | None = None) -> list[float]:
+    from parallel3d.config import config_from_dict
+    from parallel3d.topology import Topology
+    from parallel3d.train.trainer import Trainer
+
+    cfg = config_from_dict(job)
+    return [r["loss"] for r in Trainer(cfg, Topology.of(cfg.parallel)).fit(stop_at=stop_at)]
+
+
+def test_a_resumed_dropout_run_draws_the_straight_runs_masks(pools, corpus_dir, tmp_path, reference):
+    """dp 2 (ZeRO 2) stopped at step 4, resumed at tp 2: the keys continue from the
+    sampler's position in the checkpoint, so steps 5-8 are the one-process run's (1e-5)."""
+    from parallel3d.checkpoint.reader import find_checkpoint
+
+    def job(name, **parallel):
+        j = _dropout_job(corpus_dir, str(tmp_path / name), **parallel)
+        j["checkpoint"] = {"interval": 2, "keep": 0}
+        return j
+
+    first = pools(2).run(_train_until, job("dp2", dp=2, zero=2), 4)[0]
+    resumed = job("tp2", tp=2)
+    resumed["checkpoint"]["resume"] = str(find_checkpoint(tmp_path / "dp2" / "checkpoints"))
+    again = pools(2).run(_train_until, resumed)[0]
+    assert len(first) == 4 and len(again) == len(reference[P]["losses"]) - 4
+    assert relative_diff(first + again, reference[P]["losses"]) < 1e-5, (first + again, reference[P]["losses"])
