@@ -21,7 +21,8 @@ import torch
 from helpers import relative_diff, tiny_job
 from test_lora import _job, _train
 
-from parallel3d.lora.dropout import _fmix32, _mul32, dropout_salt, keep_mask
+from parallel3d.kernels.dropout_mask import _fmix32, _mul32, keep_mask
+from parallel3d.lora.dropout import dropout_salt
 
 P = 0.1
 
