@@ -15,7 +15,10 @@ median and range: the spread a loaded machine gives), the load average before an
 and the largest difference of the per-step losses (the two compute the same function: a
 check that both do the same work).
 
-    python benchmarks/bench_lora_vs_peft.py [--steps 30] [--rounds 5] [--rank 16] [--targets all]
+    python benchmarks/bench_lora_vs_peft.py [--steps 30] [--rounds 5] [--rank 16] [--targets all] [--dropout 0.1]
+
+With ``--dropout`` both sides drop the adapters' inputs (parallel3d's hashed masks,
+``lora/dropout.py``; peft's ``nn.Dropout``): their losses then differ by their masks.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def build(args):
     model = {"n_layers": args.layers, "dim": args.dim, "n_heads": args.dim // 64, "n_kv_heads": args.dim // 128,
              "ffn_dim": int(args.dim * 8 / 3) // 16 * 16, "vocab_size": 2048}
     cfg = job({}, args.steps, global_batch=args.batch, micro_batch=args.batch, seq_len=args.seq, model=model)
-    cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=targets))
+    cfg = dataclasses.replace(cfg, lora=LoraConfig(rank=args.rank, alpha=2.0 * args.rank, targets=targets,
+                                                   dropout=args.dropout))
     trainer = Trainer(cfg, Topology.single(), log=False)
 
     hf_cfg = transformers.LlamaConfig(**config_to_hf(resolve_model_config(cfg.model)))
@@ -59,7 +63,7 @@ def build(args):
     base = {name_to_hf(n): t for n, t in state.items() if ".lora_" not in n}
     hf.load_state_dict(base, strict=True)
     tuned = peft.get_peft_model(hf, peft.LoraConfig(r=args.rank, lora_alpha=2.0 * args.rank,
-                                                    target_modules=targets, lora_dropout=0.0))
+                                                    target_modules=targets, lora_dropout=args.dropout))
     with torch.no_grad():  # parallel3d's initial adapters into peft's
         for name, p in tuned.named_parameters():
             if ".lora_" in name:
@@ -92,6 +96,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--targets", default="all", help="'all' or a comma-separated list")
+    parser.add_argument("--dropout", type=float, default=0.0,
+                        help="lora.dropout on both sides (their masks differ: the losses then differ by it)")
     args = parser.parse_args()
     load_before = os.getloadavg()
     cfg, trainer, tuned, params, opt = build(args)
@@ -128,7 +134,8 @@ def main() -> None:
     print(f"  load average (1, 5, 15 min): before {' '.join(f'{x:.2f}' for x in load_before)}, "
           f"after {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses["parallel3d"], losses["peft"]))
-    print(f"  per-step losses: largest relative difference {diff:.2e}")
+    print(f"  per-step losses: largest relative difference {diff:.2e}"
+          + (f" (dropout {args.dropout}: each side's own masks)" if args.dropout else ""))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _inputs(tokens, cols, dtype, seed=0):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("tokens, cols, offset, p", [(37, 53, 0, 0.1), (5, 130, 64, 0.5), (1, 7, 3, 0.9),
+@pytest.mark.parametrize("tokens, cols, offset, p", [(37, 53, 0, 0.1), (5, 130, 64, 0.5), (2, 77, 3, 0.9),
                                                      (9, 64, 0, 0.0)])
 def test_the_kernel_equals_the_reference(dtype, tokens, cols, offset, p):
     if K._INTERPRETED and dtype == torch.bfloat16 and p not in (0.0, 0.5):

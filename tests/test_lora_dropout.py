@@ -38,13 +38,13 @@ def _dropout_job(corpus_dir, run_dir, p=P, **parallel) -> dict:
 def _fmix32_py(h: int) -> int:
     m = 0xFFFFFFFF
     h ^= h >> 16
-    h = (h * 0x85EBCA6B) & m
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & m
-    return h ^ (h >> 16)
+    h = (h * 0x21F0AAAD) & m
+    h ^= h >> 15
+    h = (h * 0x735A2D97) & m
+    return h ^ (h >> 15)
 
 
-def test_the_hash_is_murmur3s_finaliser_exactly_in_int64():
+def test_the_hash_is_the_finaliser_exactly_in_int64():
     rng = random.Random(0)
     values = [0, 1, 0xFFFF, 0x10000, 0xFFFFFFFF, 0x80000000] + [rng.getrandbits(32) for _ in range(2000)]
     t = torch.tensor(values, dtype=torch.int64)

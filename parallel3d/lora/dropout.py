@@ -12,7 +12,7 @@ with ``key`` the token's place in the run's token stream (its sample's position 
 sampler's stream times the window length, plus its index in the window:
 ``data.batch.stream_token_keys``), ``salt`` a 64-bit hash of ``train.seed`` and the
 module's name, ``feature`` the global input column (a row-parallel rank adds its
-offset), ``fmix`` MurmurHash3's 32-bit finaliser and ``g`` a per-column hash. The key
+offset), ``fmix`` a 32-bit xor-shift-multiply finaliser and ``g`` a per-column hash. The key
 grows with the stream, so every step, epoch and micro-batch draws a new mask, and a
 resumed run draws the one the straight run would have.
 
