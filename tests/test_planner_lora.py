@@ -155,3 +155,30 @@ def test_plan_lora_says_what_fits(capsys):
     args.lora_targets = "q_proj,qv_proj"
     with pytest.raises(UserError, match="--lora-targets"):
         run_plan(args)
+
+
+def test_plan_lora_dropout_counts_and_writes_it(tmp_path, capsys):
+    """``--lora-dropout``: the plan's fullest stage grows by the dropped inputs the
+    adapters keep (tests/test_lora_dropout.py checks that count against a forward), the
+    written recipe carries ``lora.dropout`` and loads; a rate outside [0, 1) is refused."""
+    import argparse
+
+    from parallel3d.config import load_config
+    from parallel3d.planner.cli import add_plan_parser, run_plan
+    from parallel3d.planner.memory import stage_memory
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="command"))
+    recipe = tmp_path / "lora.toml"
+    args = parser.parse_args(["plan", "--model", "8b", "--gpus", "8", "--gpu", "h100", "--lora-dropout", "0.05",
+                              "--write-recipe", str(recipe)])
+    assert run_plan(args) == 0
+    cfg = load_config(recipe)
+    assert cfg.lora.dropout == 0.05 and cfg.lora.rank == 16
+    work = Workload(PRESETS["8b"], 4096, 64, lora=LoraSpec(16, LORA_TARGETS, dropout=0.05))
+    plain = Workload(PRESETS["8b"], 4096, 64, lora=LoraSpec(16, LORA_TARGETS))
+    layout = Layout(dp=8, zero=1)
+    assert stage_memory(work, layout, 0).activations > stage_memory(plain, layout, 0).activations
+    args.lora_dropout = 1.0
+    with pytest.raises(UserError, match=r"--lora-dropout 1.0 is outside \[0, 1\)"):
+        run_plan(args)

@@ -77,6 +77,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--lora-targets", default=None, metavar="NAMES",
                    help="the projections that get adapters, comma-separated (lora.targets; implies --lora; "
                         "default all seven: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
+    p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
+                   help="lora.dropout: each adapter then keeps its dropped input (implies --lora)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--write-recipe", metavar="FILE", help="write the recommended layout as a TOML recipe")
     p.add_argument("--calibrate", metavar="RUN", help="refresh the compute efficiency from a run's "
@@ -106,12 +108,15 @@ def job_defaults(args, model, gpu) -> list[str]:
 
 
 def lora_from_args(args, model):
-    """The :class:`~parallel3d.planner.spec.LoraSpec` of ``--lora``, ``--lora-rank`` and
-    ``--lora-targets``, or None when none is given."""
+    """The :class:`~parallel3d.planner.spec.LoraSpec` of ``--lora``, ``--lora-rank``,
+    ``--lora-targets`` and ``--lora-dropout``, or None when none is given."""
     from parallel3d.planner.spec import LORA_TARGETS, LoraSpec
 
-    if not (args.lora or args.lora_rank is not None or args.lora_targets is not None):
+    dropout = getattr(args, "lora_dropout", None)
+    if not (args.lora or args.lora_rank is not None or args.lora_targets is not None or dropout is not None):
         return None
+    if dropout is not None and not 0 <= dropout < 1:
+        raise UserError(f"--lora-dropout {dropout} is outside [0, 1)")
     rank = DEFAULT_LORA_RANK if args.lora_rank is None else args.lora_rank
     if rank < 1:
         raise UserError(f"--lora-rank must be at least 1, got {rank}")
@@ -122,7 +127,7 @@ def lora_from_args(args, model):
         if unknown or not targets:
             raise UserError(f"--lora-targets {args.lora_targets!r}: name projections among "
                             f"{','.join(LORA_TARGETS)}")
-    return LoraSpec(rank, targets)
+    return LoraSpec(rank, targets, dropout=dropout or 0.0)
 
 
 def resolve_model(spec: str):

@@ -151,7 +151,8 @@ def lora_section(work: Workload) -> str:
     if work.lora is None:
         return ""
     targets = ", ".join(f'"{t}"' for t in work.lora.targets)
-    return (f"[lora]\nrank = {work.lora.rank}\nalpha = {2.0 * work.lora.rank}\ntargets = [{targets}]\n"
+    dropout = f"dropout = {work.lora.dropout}\n" if work.lora.dropout else ""
+    return (f"[lora]\nrank = {work.lora.rank}\nalpha = {2.0 * work.lora.rank}\n{dropout}targets = [{targets}]\n"
             "# start from a Hugging Face base: set model.hf_checkpoint\n\n")
 
 
