@@ -4,10 +4,11 @@ in the token stream and each input column, so that every layout draws the same o
 The mask's arithmetic against Python's integers, its rate, scale and independence of how
 tokens and columns are split; the batches' token keys at dp 2 x cp 2 against one
 process's; per-step losses with ``lora.dropout = 0.1`` at tp 2 (with and without sequence
-parallelism), pp 2 (zb-h1, full recomputation), dp 2 (ZeRO 2), cp 2 and 2x2x2 equal one
-process's with the same dropout (fp32, 1e-5, the LoRA parity bar), and differ from the
+parallelism), pp 2 (zb-h1, full recomputation), dp 2 (ZeRO 2; ZeRO 3 with selective
+recomputation), cp 2 and 2x2x2 equal one process's with the same dropout (fp32, 1e-5, the LoRA parity bar), and differ from the
 run without dropout; a dp 2 run stopped at step 4 and resumed at tp 2 continues with
-them; evaluation runs without it; the planner counts the dropped inputs autograd keeps;
+them; evaluation runs without it; no dropped input outlives the forward (rebuilt in the
+backward);
 a Mixture-of-Experts model's MLP adapters refuse it in one line.
 """
 
@@ -138,6 +139,18 @@ def test_lora_dropout_trains_as_one_process(pools, corpus_dir, tmp_path, referen
         assert got["frozen_unchanged"] and got["frozen_with_grad"] == 0
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_lora_dropout_at_zero3_trains_as_one_process(pools, corpus_dir, tmp_path, reference, recompute):
+    """The base sharded (FSDP-LoRA): the checkpoint around mask and A runs A again in the
+    backward, inside the layer's gathered bucket; with selective recomputation it nests
+    in the layer's own checkpoint."""
+    from test_lora_zero3 import _train as train_zero3
+
+    job = _dropout_job(corpus_dir, str(tmp_path), dp=2, zero=3, recompute=recompute)
+    for got in pools(2).run(train_zero3, job):
+        assert relative_diff(got["losses"], reference[P]["losses"]) < 1e-5, (got["losses"], reference[P]["losses"])
+
+
 def test_evaluation_runs_without_dropout(one_thread, corpus_dir, tmp_path):
     """The validation pass (``forward_only``, outside the runtime's actions) draws no mask:
     its loss is the adapters' without dropout, not the one a training forward sees."""
@@ -176,16 +189,17 @@ def test_dropout_on_moe_experts_is_refused_in_one_line(corpus_dir, tmp_path):
         Trainer(config_from_dict(job), Topology.of(config_from_dict(job).parallel))
 
 
-def test_the_planner_counts_the_dropped_inputs_autograd_keeps(one_thread, corpus_dir, tmp_path, monkeypatch):
-    """Each adapter keeps its dropped input for A's weight gradient (the mask is hashed
-    again, not kept): the bytes alive after a forward equal the planner's count."""
+def test_dropout_keeps_no_dropped_input_after_the_forward(one_thread, corpus_dir, tmp_path, monkeypatch):
+    """Each adapter's dropped input is rebuilt in the backward (a checkpoint around the
+    mask and A), not kept: after a forward none is alive, and the planner counts one
+    adapter's at a time, as a transient of the backward."""
     import gc
     import weakref
 
-    import parallel3d.lora.adapters as adapters
+    import parallel3d.lora.dropout as dropout
     from parallel3d.config import config_from_dict
     from parallel3d.data.batch import running
-    from parallel3d.planner.lora import dropout_input_elements
+    from parallel3d.planner.lora import dropout_rebuilt_elements
     from parallel3d.planner.spec import LoraSpec
     from parallel3d.topology import Topology
     from parallel3d.train.trainer import Trainer
@@ -193,23 +207,27 @@ def test_the_planner_counts_the_dropped_inputs_autograd_keeps(one_thread, corpus
     cfg = config_from_dict(_dropout_job(corpus_dir, str(tmp_path)))
     trainer = Trainer(cfg, Topology.of(cfg.parallel))
     batches, _ = trainer.data.loader.next()
-    kept, drop = [], adapters.drop_input
+    made, drop = [], dropout.drop_input
 
     def watched(layer, x, **kw):
         y = drop(layer, x, **kw)
-        kept.append(weakref.ref(y))
+        made.append(weakref.ref(y))
         return y
 
-    monkeypatch.setattr(adapters, "drop_input", watched)
+    monkeypatch.setattr(dropout, "drop_input", watched)
     with running(batches[0]):
-        out = trainer.model(batches[0].inputs)
+        loss = trainer.model(batches[0].inputs).float().logsumexp(-1).mean()
     gc.collect()
-    alive = sum(r().numel() * r().element_size() for r in kept if r() is not None)
-    tokens = batches[0].inputs.numel()
+    assert len(made) == 2 * len(_job(corpus_dir, "")["lora"]["targets"])  # 2 layers, every target
+    assert all(r() is None for r in made)
+    with running(batches[0]):
+        loss.backward()  # rebuilds them (and the gradients flow: A gets one)
+    assert len(made) == 4 * len(_job(corpus_dir, "")["lora"]["targets"])
+    assert trainer.model.layers["0"].self_attn.q_proj.lora_A.weight.grad is not None or \
+        getattr(trainer.model.layers["0"].self_attn.q_proj.lora_A.weight, "main_grad", None) is not None
     model = trainer.model.cfg
-    assert alive == model.n_layers * tokens * 4 * dropout_input_elements(model, 1, LoraSpec.from_config(cfg.lora),
-                                                                         False)
-    del out
+    spec = LoraSpec.from_config(cfg.lora)
+    assert dropout_rebuilt_elements(model, 1, spec, False) == model.ffn_dim  # down_proj's input, the widest
 
 
 def _train_until(job: dict, stop_at: int | None = None) -> list[float]:

@@ -37,7 +37,8 @@ honour the zero-bubble B/W split and a ``main_grad``, as the layers' own weights
 frozen base weight (``requires_grad=False``) gets no gradient there: its W does nothing.
 ``lora.dropout`` masks A's input (``lora/dropout.py``): the whole input on a column
 layer (each tp rank draws the same mask; under sequence parallelism its token shard's),
-the rank's columns on a row layer.
+the rank's columns on a row layer; the mask and A run under a checkpoint (``dropped_a``),
+so no dropped copy is kept for the backward.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from parallel3d.tensor_parallel.comm import gather_from_sequence, reduce_scatter
 from parallel3d.tensor_parallel.layers import mark_sharded
 from parallel3d.tensor_parallel.split_backward import linear
 
-from .dropout import drop_input
+from .dropout import dropped_a
 
 
 class LoraFactor(nn.Module):
@@ -83,18 +84,18 @@ def _column_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
         # sum over the ranks' output rows) reduce-scattered back
         shard = x if layer.shared_input is None else layer.shared_input.shard_of(x)
         y = base_forward(x)  # (B, S, out/p); the last member's call ends the module's entry
-        shard = drop_input(layer, shard, token_shard=(layer.lora_tp_rank, layer.lora_tp))
-        h = gather_from_sequence(layer.lora_A(shard), layer.group)
+        h = gather_from_sequence(dropped_a(layer, shard, token_shard=(layer.lora_tp_rank, layer.lora_tp)),
+                                 layer.group)
         return y + layer.lora_B(h * layer.lora_scaling)
     y = base_forward(x)  # (B, S, out/p)
-    h = layer.lora_A(drop_input(layer, x))  # (B, S, r), the same on every rank (so is the mask)
+    h = dropped_a(layer, x)  # (B, S, r), the same on every rank (so is the mask)
     h = copy_to_tp_region(h, layer.group)  # backward: dH summed over the ranks' output rows
     return y + layer.lora_B(h * layer.lora_scaling)  # (B, S, out/p); scaled at rank r (see _plain_forward)
 
 
 def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
     y = base_forward(x)  # (B, S, out) reduced; under sequence parallelism (B, S/p, out)
-    h = layer.lora_A(drop_input(layer, x, offset=layer.weight.p3d_tp_range[0]))  # (B, S, r), partial sum
+    h = dropped_a(layer, x, offset=layer.weight.p3d_tp_range[0])  # (B, S, r), partial sum
     if layer.sequence_parallel:  # summed and scattered as Y is: (B, S/p, r)
         h = reduce_scatter_to_sequence(h, layer.group)
     else:  # h is ours, reduced in place, unless selective recomputation keeps the GEMM outputs
@@ -105,7 +106,7 @@ def _row_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
 def _plain_forward(layer, base_forward, x: torch.Tensor) -> torch.Tensor:
     # The scaling multiplies the (B, S, r) factor, not the (B, S, out) product as PEFT
     # does: the same function (to rounding), one output-sized pass fewer each way.
-    return base_forward(x) + layer.lora_B(layer.lora_A(drop_input(layer, x)) * layer.lora_scaling)
+    return base_forward(x) + layer.lora_B(dropped_a(layer, x) * layer.lora_scaling)
 
 
 def attach(layer: nn.Module, rank: int, alpha: float, tp: int, tp_rank: int, dropout: float = 0.0,

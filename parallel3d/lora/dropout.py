@@ -26,6 +26,7 @@ does in PEFT. The hash and its application are one pass, ``kernels/dropout_mask.
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from parallel3d.data.batch import current_token_keys
 from parallel3d.kernels.dropout_mask import masked_scale
@@ -59,9 +60,24 @@ def drop_input(layer, x: torch.Tensor, token_shard: tuple[int, int] | None = Non
     return _Dropout.apply(x, keys.to(x.device), layer.lora_salt, p, offset)
 
 
+def dropped_a(layer, x: torch.Tensor, **where) -> torch.Tensor:
+    """``layer.lora_A`` of ``x`` dropped (:func:`drop_input`; ``where``: its
+    ``token_shard`` / ``offset``). With dropout on, the pair runs under a checkpoint that
+    keeps only its input (``x``, the base layer's own saved input) and rebuilds the dropped
+    copy in the backward for A's weight gradient: dropout costs no activation memory
+    beyond the micro-batch's keys, at one more (tokens, r) GEMM and mask pass a backward."""
+    if getattr(layer, "lora_dropout", 0.0) == 0.0 or current_token_keys() is None:
+        return layer.lora_A(x)
+    return checkpoint(_dropped_a, layer, x, where, use_reentrant=False, preserve_rng_state=False)
+
+
+def _dropped_a(layer, x: torch.Tensor, where: dict) -> torch.Tensor:
+    return layer.lora_A(drop_input(layer, x, **where))
+
+
 class _Dropout(torch.autograd.Function):
     """x * mask / (1 - p), the mask hashed again in the backward from the keys it saves
-    (B*S int64) rather than kept: what autograd holds for the adapter is A's input only."""
+    (B*S int64) rather than kept."""
 
     @staticmethod
     def forward(ctx, x, keys, salt, p, offset):

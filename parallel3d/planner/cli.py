@@ -78,7 +78,7 @@ def add_plan_parser(sub) -> None:
                    help="the projections that get adapters, comma-separated (lora.targets; implies --lora; "
                         "default all seven: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)")
     p.add_argument("--lora-dropout", type=float, default=None, metavar="P",
-                   help="lora.dropout: each adapter then keeps its dropped input (implies --lora)")
+                   help="lora.dropout: one adapter's dropped input rebuilt at a time in the backward (implies --lora)")
     p.add_argument("--top", type=int, default=10, help="rows of the table")
     p.add_argument("--write-recipe", metavar="FILE", help="write the recommended layout as a TOML recipe")
     p.add_argument("--calibrate", metavar="RUN", help="refresh the compute efficiency from a run's "

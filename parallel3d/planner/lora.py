@@ -60,18 +60,17 @@ def adapter_params(model, tp: int, spec: LoraSpec) -> int:
     return n
 
 
-def dropout_input_elements(model, tp: int, spec: LoraSpec, sequence_parallel: bool) -> int:
-    """Elements per token of the dropped inputs one decoder layer's adapters keep for A's
-    weight gradient (``lora/dropout.py``: the mask itself is hashed again, not kept): a
-    column layer's whole input (its token shard under sequence parallelism, counted here
-    per token of the layer's input), a row layer's 1/tp of its input. 0 without dropout."""
+def dropout_rebuilt_elements(model, tp: int, spec: LoraSpec, sequence_parallel: bool) -> int:
+    """Elements per token of the largest dropped input an adapter rebuilds in the
+    backward (``lora/dropout.py``: the dropped copy is not kept, it is rebuilt under a
+    checkpoint for A's weight gradient, one adapter at a time): a column layer's whole
+    input (its token shard under sequence parallelism, per token of the layer's input), a
+    row layer's 1/tp of its input. 0 without dropout."""
     if not spec.dropout:
         return 0
-    n = 0
-    for target, (fan_in, _) in projection_shapes(model, tp).items():
-        if target in spec.targets:
-            n += fan_in // (tp if target not in COLUMN or sequence_parallel else 1)
-    return n
+    return max((fan_in // (tp if target not in COLUMN or sequence_parallel else 1)
+                for target, (fan_in, _) in projection_shapes(model, tp).items() if target in spec.targets),
+               default=0)
 
 
 def _layer_trainable(model, tp: int, names: set[str]) -> int:

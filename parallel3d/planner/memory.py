@@ -98,7 +98,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from parallel3d.planner.lora import dropout_input_elements, lora_states, trained_units
+from parallel3d.planner.lora import dropout_rebuilt_elements, lora_states, trained_units
 from parallel3d.planner.experts import (a2a_transient_bytes, moe_selective_bytes, moe_token_bytes,
                                        sparse_layers_of)
 from parallel3d.planner.moments import (backward_moments, head_stash_bytes, in_flight,  # noqa: F401 - this module's API
@@ -345,18 +345,17 @@ def _activation_peak(mem: StageMemory, work: Workload, layout: Layout, pp_rank: 
     tokens = layout.micro_batch * work.seq_len // layout.cp  # a cp rank's head-tail chunks
     chunk_act, chunk_stash, one_layer = stage_activation_bytes(model, tokens, layout, b["act"], layout.recompute,
                                                                 split, pp_rank)
+    dropped = 0  # LoRA's dropout: one adapter's dropped input, rebuilt in the backward (not kept)
     if work.lora is not None:  # each adapter's lora_B keeps its (tokens, r) input (lora_A's is the layer's)
         adapter_act = tokens * len(work.lora.targets) * work.lora.rank * b["act"]
-        # with dropout lora_A's input is the dropped copy (recomputed under selective)
-        dropped = tokens * dropout_input_elements(model, layout.tp, work.lora, layout.sequence_parallel) * b["act"]
-        one_layer += adapter_act + dropped
+        dropped = tokens * dropout_rebuilt_elements(model, layout.tp, work.lora, layout.sequence_parallel) * b["act"]
+        one_layer += adapter_act
         if layout.recompute != "full":
-            chunk_act += (adapter_act + (dropped if layout.recompute == "none" else 0)) * mem.layers \
-                / layout.virtual_stages
+            chunk_act += adapter_act * mem.layers / layout.virtual_stages
     # One layer's context-parallel and all-to-all buffers exist while it runs, and while
     # a rebuilt layer runs its backward.
     rebuilt = cp_transient_bytes(model, tokens, layout, b["act"]) + a2a_transient_bytes(model, layout, tokens,
-                                                                                       b["act"])
+                                                                                       b["act"]) + dropped
     if layout.recompute != "none":  # one layer rebuilt at a time in the backward pass
         rebuilt += one_layer
     # A chunk that is not the last keeps its output in the runtime's stash until its
