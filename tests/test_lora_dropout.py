@@ -90,6 +90,30 @@ def test_a_dropped_input_is_rescaled_by_one_over_one_minus_p():
     assert torch.equal(x.grad, torch.where(keep, grad * 2.0, torch.zeros(())))
 
 
+def test_the_cuda_way_of_the_backward_gives_the_same_gradient(monkeypatch):
+    """The backward hashes the mask again from the keys (the CUDA way) or reads the mask
+    it kept (the CPU way): the same gradient, bit for bit (here both on the CPU)."""
+    from types import SimpleNamespace
+
+    import parallel3d.lora.dropout as dropout
+    from parallel3d.data.batch import MicroBatch, running
+
+    x = torch.randn(2, 16, 32)
+    keys = torch.arange(32, dtype=torch.int64).reshape(2, 16) + (3 << 32)
+    layer = SimpleNamespace(lora_dropout=0.3, lora_salt=dropout_salt(2, "m"))
+    grad = torch.randn_like(x)
+    out = {}
+    for keeps in (True, False):
+        monkeypatch.setattr(dropout, "_keeps_mask", lambda t, keeps=keeps: keeps)
+        leaf = x.clone().requires_grad_()
+        with running(MicroBatch(x, x, token_keys=keys)):
+            y = dropout.drop_input(layer, leaf)
+        y.backward(grad)
+        out[keeps] = (y.detach(), leaf.grad)
+    assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1])
+    assert (out[True][1] == 0).any()
+
+
 def test_batches_carry_the_same_token_keys_at_dp2_x_cp2_as_in_one_process(corpus_dir):
     from parallel3d.data.context_shard import ContextShardWindows
     from parallel3d.data.loader import step_micro_batches

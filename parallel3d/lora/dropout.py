@@ -29,7 +29,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from parallel3d.data.batch import current_token_keys
-from parallel3d.kernels.dropout_mask import masked_scale
+from parallel3d.kernels.dropout_mask import keep_mask, masked_scale
 from parallel3d.tensor_parallel.init import stream_key
 
 
@@ -75,17 +75,29 @@ def _dropped_a(layer, x: torch.Tensor, where: dict) -> torch.Tensor:
     return layer.lora_A(drop_input(layer, x, **where))
 
 
+def _keeps_mask(x: torch.Tensor) -> bool:
+    return not x.is_cuda
+
+
 class _Dropout(torch.autograd.Function):
-    """x * mask / (1 - p), the mask hashed again in the backward from the keys it saves
-    (B*S int64) rather than kept."""
+    """x * mask / (1 - p). On CUDA the backward hashes the mask again from the keys it
+    saves (B*S int64; the fused kernel costs one read and one write); on the CPU, where
+    the int64 hash costs more than a byte a element, it saves the boolean mask. Under
+    :func:`dropped_a`'s checkpoint either lives only from the rebuild to this backward."""
 
     @staticmethod
     def forward(ctx, x, keys, salt, p, offset):
-        ctx.save_for_backward(keys)
         ctx.salt, ctx.p, ctx.offset = salt, p, offset
-        return masked_scale(x, keys, salt, p, offset)
+        if not _keeps_mask(x):
+            ctx.save_for_backward(keys)
+            return masked_scale(x, keys, salt, p, offset)
+        keep = keep_mask(keys, salt, p, x.shape[-1], offset)
+        ctx.save_for_backward(keep)
+        return (x * (1.0 / (1.0 - p))).masked_fill_(~keep, 0)
 
     @staticmethod
     def backward(ctx, grad):
-        (keys,) = ctx.saved_tensors
-        return masked_scale(grad, keys, ctx.salt, ctx.p, ctx.offset), None, None, None, None
+        (saved,) = ctx.saved_tensors
+        if saved.dtype == torch.bool:
+            return (grad * (1.0 / (1.0 - ctx.p))).masked_fill_(~saved, 0), None, None, None, None
+        return masked_scale(grad, saved, ctx.salt, ctx.p, ctx.offset), None, None, None, None
