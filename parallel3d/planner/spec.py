@@ -38,7 +38,7 @@ class LoraSpec:
     rank: int = 16
     targets: tuple[str, ...] = LORA_TARGETS
     trainable: tuple[str, ...] = ()
-    dropout: float = 0.0  # > 0: each adapter keeps its dropped input for A's weight gradient
+    dropout: float = 0.0  # > 0: one adapter's dropped input rebuilt at a time in the backward (lora/dropout.py)
 
     @classmethod
     def from_config(cls, lora) -> "LoraSpec | None":
