@@ -213,20 +213,9 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
         bar = Progress(total, f"convert -> {to}", enabled=progress)
         t0 = time.monotonic()
         write = {"hf": writers.write_hf, "parallel3d": writers.write_parallel3d, "dcp": writers.write_dcp}[to]
-        try:
-            with zerocopy.zero_copy_reads():
-                out = write(tmp, source, cast=cast, max_shard_bytes=max_shard_bytes, progress=bar,
-                            budget=budget_bytes, threads=threads or default_threads())
-            if verify != "none":
-                writers.check_output(out, to)
-            if verify == "full":
-                check.join()
-                _verify_written(source, tmp, to, names, cast)
-        except BaseException:
-            shutil.rmtree(dst if created and to == "parallel3d" else tmp, ignore_errors=True)
-            raise
-        finally:
-            bar.close()
+        _write_checked(write, writers.check_output, source, tmp, to, names, cast=cast, verify=verify,
+                       check=check, bar=bar, cleanup=dst if created and to == "parallel3d" else tmp,
+                       max_shard_bytes=max_shard_bytes, budget=budget_bytes, threads=threads)
         companions = []
         if to == "hf" and isinstance(source, HFFolder):  # the tokenizer and generation config go along
             companions = copy_companion_files(src, tmp)
@@ -239,14 +228,41 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
     summary = {"tensors": len(names), "bytes": total, "seconds": seconds, "dst": str(final),
                "verified": verify, "copied": companions}
     if progress:
-        how = {"hash": "verified (checksums while writing; headers and sizes re-read)",
-               "full": "verified (source hashes checked, every tensor read back)",
-               "none": "not verified"}[verify]
-        size = f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.2f} MiB"
-        also = f"; with the source's {', '.join(companions)}" if companions else ""
-        print(f"convert: wrote {len(names)} tensors ({size}) to {final} in {seconds:.1f} s, {how}{also}",
-              file=sys.stderr, flush=True)
+        _print_summary(summary)
     return summary
+
+
+def _write_checked(write, check_output, source, tmp: Path, to: str, names, *, cast, verify: str,
+                   check, bar, cleanup: Path, max_shard_bytes: int, budget: int, threads) -> None:
+    """Write ``source`` into ``tmp`` with ``write`` (one of :mod:`.writers`) and verify it as
+    ``verify`` says; on any failure remove ``cleanup`` before re-raising. ``bar`` is closed
+    either way."""
+    try:
+        with zerocopy.zero_copy_reads():
+            out = write(tmp, source, cast=cast, max_shard_bytes=max_shard_bytes, progress=bar,
+                        budget=budget, threads=threads or default_threads())
+        if verify != "none":
+            check_output(out, to)
+        if verify == "full":
+            check.join()
+            _verify_written(source, tmp, to, names, cast)
+    except BaseException:
+        shutil.rmtree(cleanup, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+
+
+def _print_summary(summary: dict) -> None:
+    """The one closing line on stderr for :func:`convert`'s ``summary``."""
+    how = {"hash": "verified (checksums while writing; headers and sizes re-read)",
+           "full": "verified (source hashes checked, every tensor read back)",
+           "none": "not verified"}[summary["verified"]]
+    total, companions = summary["bytes"], summary["copied"]
+    size = f"{total / 2**30:.2f} GiB" if total >= 2**30 else f"{total / 2**20:.2f} MiB"
+    also = f"; with the source's {', '.join(companions)}" if companions else ""
+    print(f"convert: wrote {summary['tensors']} tensors ({size}) to {summary['dst']} in "
+          f"{summary['seconds']:.1f} s, {how}{also}", file=sys.stderr, flush=True)
 
 
 def _verify_written(source, folder: Path, to: str, names, cast) -> None:

@@ -241,12 +241,7 @@ class SafetensorsFile:
         ZeRO piece is addressed as a block). ``out``: a contiguous tensor of that shape and
         dtype to read into (no intermediate copy)."""
         info = self.info(key)
-        full = tuple(view_shape) if view_shape is not None else info.shape
-        if view_shape is not None and not 0 <= flat_start <= flat_start + math.prod(full) <= math.prod(info.shape):
-            raise CheckpointError(f"{self.path}: {key!r} has no elements [{flat_start}, +{math.prod(full)})")
-        offsets, shape = tuple(offsets), tuple(shape)
-        if len(offsets) != len(full) or any(o < 0 or o + s > f for o, s, f in zip(offsets, shape, full)):
-            raise CheckpointError(f"{self.path}: box {offsets}+{shape} outside {key!r} of shape {full}")
+        full, offsets, shape = self._check_box(key, info, offsets, shape, view_shape, flat_start)
         if out is None and zerocopy.enabled() and math.prod(shape) and self._one_run(full, offsets, shape):
             item = torch.empty((), dtype=info.dtype).element_size()
             first = sum(o * math.prod(full[d + 1:]) for d, o in enumerate(offsets))
@@ -258,11 +253,30 @@ class SafetensorsFile:
             raise ValueError(f"read_box out: need a contiguous {info.dtype} {shape}")
         if out.numel() == 0:
             return out
-        item = out.element_size()
-        base = info.begin + flat_start * item
+        base = info.begin + flat_start * out.element_size()
         if not full:  # a scalar
             self._pread_into(out, base)
             return out
+        return self._pread_box(out, base, full, offsets, shape)
+
+    def _check_box(self, key: str, info: TensorInfo, offsets, shape, view_shape, flat_start: int):
+        """``(full, offsets, shape)`` as tuples, ``full`` being the shape the box is taken
+        from; a box or flat range outside tensor ``key`` is a CheckpointError."""
+        full = tuple(view_shape) if view_shape is not None else info.shape
+        if view_shape is not None and not 0 <= flat_start <= flat_start + math.prod(full) <= math.prod(info.shape):
+            raise CheckpointError(f"{self.path}: {key!r} has no elements [{flat_start}, +{math.prod(full)})")
+        offsets, shape = tuple(offsets), tuple(shape)
+        if len(offsets) != len(full) or any(o < 0 or o + s > f for o, s, f in zip(offsets, shape, full)):
+            raise CheckpointError(f"{self.path}: box {offsets}+{shape} outside {key!r} of shape {full}")
+        return full, offsets, shape
+
+    def _pread_box(self, out: torch.Tensor, base: int, full, offsets, shape) -> torch.Tensor:
+        """Fill the contiguous, non-empty ``out`` of shape ``shape`` (at least 1-D) with the
+        box ``[offsets, offsets + shape)`` of the row-major tensor of shape ``full`` whose
+        first element is at ``base`` of the data region: one pread if the box is one run or
+        its covering span is at most ``_SPAN_FACTOR`` times the box (then sliced), else one
+        pread per run."""
+        item = out.element_size()
         strides = [math.prod(full[d + 1:]) for d in range(len(full))]
         # Dims after `split` are whole, so each index of dims [0, split) names one
         # contiguous run of shape[split] * strides[split] elements.
@@ -278,7 +292,7 @@ class SafetensorsFile:
         last = sum((o + s - 1) * st for o, s, st in zip(offsets, shape, strides))
         span = last - first + 1
         if span <= _SPAN_FACTOR * out.numel():
-            block = torch.empty(span, dtype=info.dtype)
+            block = torch.empty(span, dtype=out.dtype)
             self._pread_into(block, base + first * item)
             view = block.as_strided(shape, strides)
             return out.copy_(view)
