@@ -148,12 +148,11 @@ def resolve_model(spec: str):
     return cfg, {"preset": "hf", "hf_checkpoint": str(path.resolve().parent)}
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    from parallel3d.planner.calibrate import calibrate_from_run, default_efficiency
-    from parallel3d.planner.report import assumptions, lora_lines, reasons, recipe_text, table
-    from parallel3d.planner.search import recommend, search
+def _plan_job(args: argparse.Namespace):
+    """The job ``args`` describe, checked, with :func:`job_defaults` filled into ``args``:
+    (GPU, model, the recipe's [model] keys, the defaults assumed, one phrase each). A
+    ``--seq-len`` past a preset's context raises its max_seq_len; past a config.json's, an error."""
     from parallel3d.models.llama import PRESETS
-    from parallel3d.planner.spec import Workload
 
     if not (args.gpu or args.gpu_spec):
         raise UserError("name the GPU: --gpu NAME (see --help for the table) or describe it with "
@@ -183,11 +182,12 @@ def run_plan(args: argparse.Namespace) -> int:
         assumed.append(f"model.max_seq_len raised from {model.max_seq_len} to {args.seq_len}")
         model = replace(model, max_seq_len=args.seq_len)
         model_keys = {**model_keys, "max_seq_len": args.seq_len}
-    eff = default_efficiency()
-    if args.calibrate:
-        eff, how = calibrate_from_run(args.calibrate, gpu, args.gpus_per_node)
-        print(f"calibrated: {how}")
-    work = Workload(model, args.seq_len, args.global_batch, args.dtype, lora_from_args(args, model))
+    return gpu, model, model_keys, assumed
+
+
+def _fixed_degrees(args: argparse.Namespace, model) -> dict:
+    """The degrees (and reduce dtype) the command line fixes, for the search; ``--ep``
+    checked against the model's experts."""
     fixed = {k: getattr(args, k) for k in ("tp", "cp", "pp", "dp", "ep") if getattr(args, k) is not None}
     if args.reduce_dtype != "fp32":
         fixed["reduce_dtype"] = args.reduce_dtype
@@ -197,6 +197,37 @@ def run_plan(args: argparse.Namespace) -> int:
     if fixed.get("ep", 1) > 1 and model.moe.n_experts % args.ep:
         raise UserError(f"--ep {args.ep} does not divide the model's {model.moe.n_experts} experts: "
                         f"choose a divisor of {model.moe.n_experts}")
+    return fixed
+
+
+def _write_recipe(args: argparse.Namespace, best, work, model_keys: dict, gpu) -> None:
+    """Write the layout ``best`` as a TOML recipe to ``--write-recipe``."""
+    from parallel3d.planner.report import recipe_text
+
+    try:
+        Path(args.write_recipe).write_text(recipe_text(best, work, model_keys, args.gpus,
+                                                       args.gpus_per_node, gpu))
+    except OSError as e:
+        raise UserError(f"--write-recipe '{args.write_recipe}' cannot be written: {e.strerror}") from None
+    print(f"wrote {args.write_recipe}")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """``parallel3d plan``: print the assumptions, the ranked layouts and why the best one
+    wins (under LoRA also the job trained in full and the fewest GPUs that fit), and write
+    it as a recipe when asked; returns 1 when no layout fits, else 0."""
+    from parallel3d.planner.calibrate import calibrate_from_run, default_efficiency
+    from parallel3d.planner.report import assumptions, lora_lines, reasons, table
+    from parallel3d.planner.search import recommend, search
+    from parallel3d.planner.spec import Workload
+
+    gpu, model, model_keys, assumed = _plan_job(args)
+    eff = default_efficiency()
+    if args.calibrate:
+        eff, how = calibrate_from_run(args.calibrate, gpu, args.gpus_per_node)
+        print(f"calibrated: {how}")
+    work = Workload(model, args.seq_len, args.global_batch, args.dtype, lora_from_args(args, model))
+    fixed = _fixed_degrees(args, model)
     candidates = search(work, args.gpus, args.gpus_per_node, gpu, eff, fixed)
     if not candidates:
         raise UserError(f"no valid layout: {args.gpus} GPUs cannot split {model.n_layers} layers, "
@@ -218,10 +249,5 @@ def run_plan(args: argparse.Namespace) -> int:
         for line in lora_lines(work, best, args.gpus, args.gpus_per_node, gpu, eff, fixed):
             print(line)
     if args.write_recipe:
-        try:
-            Path(args.write_recipe).write_text(recipe_text(best, work, model_keys, args.gpus,
-                                                           args.gpus_per_node, gpu))
-        except OSError as e:
-            raise UserError(f"--write-recipe '{args.write_recipe}' cannot be written: {e.strerror}") from None
-        print(f"wrote {args.write_recipe}")
+        _write_recipe(args, best, work, model_keys, gpu)
     return 0

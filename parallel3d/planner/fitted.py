@@ -198,6 +198,26 @@ def _ep_traffic(w: StageWork, work: Workload, layout: Layout, sparse_passes: int
     _add(w, "ep", exchanges, layout.ep, tokens * model.moe.top_k * model.dim * work.bytes["act"])
 
 
+def _dp_traffic(w: StageWork, work: Workload, layout: Layout, r: int, split: list[int], bucket_bytes: int) -> None:
+    """Add pipeline rank ``r``'s optimizer elements and data-parallel collectives to ``w``."""
+    n_params = stage_params(work.model, layout, r, split)[0]
+    experts = stage_expert_params(work.model, layout, r, split)
+    groups = [(n_params - experts, layout.replicas), (experts, layout.replicas // layout.ep)]  # the reductions' groups
+    w.opt_elements = sum(n / (g if layout.zero >= 1 else 1) for n, g in groups)
+    for n, group in [(n, g) for n, g in groups if n != 0]:
+        grad_bytes = 4 * n
+        buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
+        w.dp_buckets += buckets
+        _add(w, "dp", buckets, group, grad_bytes / buckets, all_reduce=layout.zero == 0)
+        if layout.zero != 0:  # a reduce-scatter, then the parameters' all-gather
+            steps, moved = w.steps, w.bytes
+            _add(w, "dp", 1, group, n * work.bytes["weight"])
+            w.gather_steps += w.steps - steps
+            w.gather_bytes += w.bytes - moved
+    if layout.pp > 1 and work.model.tie_embeddings and (r == 0 or r == layout.pp - 1):
+        _add(w, "dp", 1, 2, work.model.vocab_size * work.model.dim // layout.tp * 4, all_reduce=True)
+
+
 def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | None,
               bucket_bytes: int = BUCKET_BYTES) -> list[StageWork]:
     """Per pipeline rank: compute seconds (from ``compute``, None: zero) and collectives.
@@ -224,13 +244,11 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
     m, tp, sp = layout.n_micro(work), layout.tp, layout.sequence_parallel
     act = layout.micro_batch * seq // cp * model.dim * work.bytes["act"]
     scale = _recompute_scale(model, seq, layout.recompute)
-    replicas = layout.dp * cp  # the gradient reduction's group
     cost = (compute or {}).get(tp)
     out = []
     for r in range(layout.pp):
         w = StageWork(r)
-        chunks = rank_chunks(r, layout.pp, layout.virtual_stages)
-        for c in chunks:
+        for c in rank_chunks(r, layout.pp, layout.virtual_stages):
             first, last, layers = c == 0, c == layout.chunks - 1, split[c]
             if cost is not None:
                 w.compute_s += m * (cost.base + layers * scale * cost.layer + (cost.head if last else 0.0)) / cp
@@ -247,26 +265,7 @@ def rank_work(work: Workload, layout: Layout, compute: dict[int, ChunkCost] | No
             _add(w, "pp", m * 2 * boundaries, 2, act / (tp if sp else 1) * 2)  # a send moves it whole
             _cp_traffic(w, work, layout, m * layers)
             _ep_traffic(w, work, layout, m * sparse_layers_of(model, split, [c]))
-        n_params = stage_params(model, layout, r, split)[0]
-        experts = stage_expert_params(model, layout, r, split)
-        groups = [(n_params - experts, replicas), (experts, replicas // layout.ep)]
-        w.opt_elements = sum(n / (g if layout.zero >= 1 else 1) for n, g in groups)
-        for n, group in groups:
-            if n == 0:
-                continue
-            grad_bytes = 4 * n
-            buckets = max(1, math.ceil(grad_bytes / bucket_bytes))
-            w.dp_buckets += buckets
-            if layout.zero == 0:
-                _add(w, "dp", buckets, group, grad_bytes / buckets, all_reduce=True)
-            else:
-                _add(w, "dp", buckets, group, grad_bytes / buckets)
-                steps, moved = w.steps, w.bytes
-                _add(w, "dp", 1, group, n * work.bytes["weight"])
-                w.gather_steps += w.steps - steps
-                w.gather_bytes += w.bytes - moved
-        if layout.pp > 1 and model.tie_embeddings and (r == 0 or r == layout.pp - 1):
-            _add(w, "dp", 1, 2, model.vocab_size * model.dim // tp * 4, all_reduce=True)
+        _dp_traffic(w, work, layout, r, split, bucket_bytes)
         out.append(w)
     return out
 
