@@ -38,9 +38,10 @@ except ImportError:  # pragma: no cover - the torch reference still works withou
     def _jit(fn):
         return fn
 
+from ._backend import use_triton
+
 __all__ = ["ce_local_stats", "ce_local_grad", "ce_local_stats_ref", "ce_local_grad_ref"]
 
-BACKENDS = ("auto", "triton", "torch")
 
 
 @_jit
@@ -97,15 +98,7 @@ def _block(v: int) -> int:
 
 
 def _use_triton(z: torch.Tensor, backend: str) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-    use = backend == "triton" or (backend == "auto" and z.is_cuda and triton is not None)
-    if use and triton is None:
-        raise ValueError("backend='triton' needs triton installed; use backend='auto' or 'torch'")
-    if use and not z.is_cuda and not _INTERPRETED:
-        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment "
-                         "before triton is first imported; use backend='auto' or 'torch' otherwise")
-    return use
+    return use_triton(z, backend, _INTERPRETED)
 
 
 def _check(z: torch.Tensor, target: torch.Tensor, n_valid: int) -> None:

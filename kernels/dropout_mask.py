@@ -19,9 +19,9 @@ columns, reading x once and writing out once, with no temporaries at all. The ke
 value is x times 1 / (1 - p) in fp32, rounded once to x's dtype (as torch multiplies
 a bf16 tensor by a Python float).
 
-Dispatch as ``cross_entropy.py``: ``backend`` "auto" runs Triton on CUDA tensors and
-the reference on CPU, "triton" forces the kernel (on CPU under ``TRITON_INTERPRET=1``),
-"torch" the reference.
+Dispatch (``_backend.use_triton``, as ``cross_entropy.py``): ``backend`` "auto" runs
+Triton on CUDA tensors and the reference on CPU, "triton" forces the kernel (on CPU under
+``TRITON_INTERPRET=1``), "torch" the reference.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ except ImportError:  # pragma: no cover - the torch reference still works withou
     def _jit(fn):
         return fn
 
+from ._backend import use_triton
+
 __all__ = ["masked_scale", "masked_scale_ref", "keep_mask", "threshold_of"]
 
-BACKENDS = ("auto", "triton", "torch")
 _M32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B1
 _CHUNK = 1 << 16  # elements hashed per pass by the reference (measured 3-4x faster than 2^22 on CPU)
@@ -89,15 +90,7 @@ def threshold_of(p: float) -> int:
 
 # ------------------------------------------------------------------------ launcher
 def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-    use = backend == "triton" or (backend == "auto" and x.is_cuda and triton is not None)
-    if use and triton is None:
-        raise ValueError("backend='triton' needs triton installed; use backend='auto' or 'torch'")
-    if use and not x.is_cuda and not _INTERPRETED:
-        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment "
-                         "before triton is first imported; use backend='auto' or 'torch' otherwise")
-    return use
+    return use_triton(x, backend, _INTERPRETED)
 
 
 def masked_scale(x: torch.Tensor, keys: torch.Tensor, salt: int, p: float, offset: int = 0,
