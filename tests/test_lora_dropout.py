@@ -9,7 +9,8 @@ recomputation), cp 2 and 2x2x2 equal one process's with the same dropout (fp32, 
 run without dropout; a dp 2 run stopped at step 4 and resumed at tp 2 continues with
 them; evaluation runs without it; no dropped input outlives the forward (rebuilt in the
 backward);
-a Mixture-of-Experts model's MLP adapters refuse it in one line.
+a Mixture-of-Experts model's MLP adapters refuse it in one line; on such a model's attention
+adapters it trains at tp 2 x pp 2 x dp 2 x ep 2 (zb-h1, full recomputation) as one process.
 """
 
 from __future__ import annotations
@@ -299,3 +300,47 @@ def test_lora_dropout_in_bf16_at_tp2(pools, corpus_dir, tmp_path):
     for got in pools(2).run(_train, bf16(_dropout_job(corpus_dir, str(tmp_path / "tp2"), p=0.5, tp=2))):
         assert relative_diff(got["losses"], one["losses"]) < BF16_U, (got["losses"], one["losses"])
         assert got["frozen_dtypes"] == ["torch.bfloat16"]
+
+
+def test_dropout_on_a_moe_model_with_every_axis_trains_as_one_process(pools, corpus_dir, tmp_path):
+    """Attention adapters with dropout on a Mixture-of-Experts model at tp 2 x pp 2 x dp 2
+    x ep 2 (ZeRO 2, zb-h1, full recomputation) against one process (fp32, 1e-5): the keys
+    reach every stage and every recomputation while the experts run beside them."""
+    import test_lora_moe as moe
+
+    def job(name, **parallel):
+        j = moe._job(corpus_dir, str(tmp_path / name), **parallel)
+        j["lora"].update(targets=["q_proj", "v_proj", "o_proj"], dropout=0.2)
+        j["train"]["recompute"] = "full"
+        return j
+
+    one = moe._train(job("one"))
+    plain = job("plain")
+    plain["lora"]["dropout"] = 0.0
+    assert relative_diff(one["losses"], moe._train(plain)["losses"]) > 1e-4  # the masks act
+    layout = {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "zero": 2, "schedule": "zb-h1"}
+    for got in pools(8).run(moe._train, job("8", **layout)):
+        assert relative_diff(got["losses"], one["losses"]) < 1e-5, (got["losses"], one["losses"])
+
+
+def test_zero3_with_every_expert_frozen_at_ep2_is_refused_in_one_line(corpus_dir, tmp_path):
+    """LoRA on the attention only of a Mixture-of-Experts model at ep 2: below ZeRO 3 one
+    optimizer takes the adapters (the test above); at ZeRO 3 the frozen experts' shards
+    would have no expert part to sit beside, so the job is refused, not crashed."""
+    import test_lora_moe as moe
+    from parallel3d.errors import UserError
+
+    from parallel3d.config import config_from_dict
+    from parallel3d.lora import apply_lora
+    from parallel3d.models.llama.model import Llama
+    from parallel3d.model_config import resolve_model_config
+
+    job = moe._job(corpus_dir, str(tmp_path), dp=2, ep=2, zero=3)
+    job["lora"]["targets"] = ["q_proj", "v_proj"]
+    cfg = config_from_dict(job)
+    with torch.device("meta"):
+        model = Llama(resolve_model_config(cfg.model))
+    with pytest.raises(UserError, match="every expert weight frozen is not implemented: add gate_proj"):
+        apply_lora(model, cfg, topo=None)  # refused before any rank's layout is read
+    job["lora"]["targets"] = ["q_proj", "v_proj", "up_proj"]
+    apply_lora(model, config_from_dict(job), topo=type("T", (), {"tp": 1, "tp_rank": 0})())  # experts train: fine

@@ -84,9 +84,11 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
             return None
         return FrozenShards(model, replicas, device, dtype or torch.float32, parallel_cfg.bucket_mb, select)
 
-    if topo.ep > 1 and any(is_expert(p) for p in params):
+    if topo.ep > 1 and any(is_expert(p) and p.requires_grad for p in params):
         # experts live on edp x cp replicas, the rest on dp x cp: one optimizer each (and
-        # at ZeRO 3 the frozen weights likewise, beside their part)
+        # at ZeRO 3 the frozen weights likewise, beside their part). Frozen experts alone
+        # (LoRA on the attention only) need no part of their own below ZeRO 3; at ZeRO 3
+        # apply_lora refuses that job (their shards would have no part to sit beside).
         frozen = (frozen_shards(topo.replicas(), lambda p: not is_expert(p)),
                   frozen_shards(topo.expert_replicas(), is_expert))
         opt = SplitOptimizer(params, train_cfg, topo, **kwargs)
