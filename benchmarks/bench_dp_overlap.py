@@ -50,6 +50,11 @@ Ethernet 9000): the simulated network's per-packet kernel work runs on the ranks
 cores here (charged to them), where two real hosts have NICs; fewer, larger packets halve
 that CPU.
 
+``--dtype bf16`` stores the parameters in bf16 (fp32 master weights in the optimizer,
+gradients reduced in fp32, as ``train.dtype = "bf16"`` trains; FSDP2 with the same
+``MixedPrecisionPolicy``): the all-gathers move half the reduce-scatters' bytes, a third
+of the traffic, as the forward is a third of the compute.
+
 Needs root (namespaces, tc). ``--pin`` runs host i's process on CPU i only (``taskset``),
 closer to two machines than two processes the scheduler moves between the same cores.
 """
@@ -76,11 +81,17 @@ CASES = ("compute", "comm", "zero2-off", "zero2-on", "zero3", "fsdp2-zero2", "fs
 TX = "/sys/class/net/p3d0/statistics/tx_bytes"  # this host's link (tests/hosts.IFNAME)
 
 
-def _model():
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _model(dtype: str = "fp32"):
+    """The Llama, its parameters stored in ``dtype`` (bf16: the optimizer keeps fp32
+    master weights and reduces fp32 gradients, as the trainer does with ``train.dtype =
+    "bf16"``)."""
     from parallel3d.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    return Llama(LlamaConfig(**MODEL))
+    return Llama(LlamaConfig(**MODEL)).to(DTYPES[dtype])
 
 
 def _batch(step: int, rank: int, seq: int) -> torch.Tensor:
@@ -121,13 +132,13 @@ def _timed(steps: int, one_step, finish=lambda: None) -> dict:
     return {"step": (t1 - t0) / steps, "cpu": (c1 - c0) / steps, "tx": (b1 - b0) / steps}
 
 
-def _ours(case: str, steps: int, bucket_mb: float, seq: int) -> dict:
+def _ours(case: str, steps: int, bucket_mb: float, seq: int, dtype: str) -> dict:
     from parallel3d.config import TrainConfig
     from parallel3d.topology import Topology
     from parallel3d.zero import ZeroOptimizer
 
     train = TrainConfig(lr=1e-3, grad_clip=0.0)
-    model = _model()
+    model = _model(dtype)
     rank = dist.get_rank()
     topo = Topology.single() if case == "compute" else Topology(1, 1, 2)
     stage = {"compute": 0, "zero2-off": 1, "zero2-on": 2, "zero3": 3}[case]
@@ -155,13 +166,13 @@ def _ours(case: str, steps: int, bucket_mb: float, seq: int) -> dict:
     return out
 
 
-def _comm(steps: int, bucket_mb: float) -> dict:
+def _comm(steps: int, bucket_mb: float, dtype: str) -> dict:
     from parallel3d.config import TrainConfig
     from parallel3d.distributed import all_gather_flat, reduce_scatter_flat
     from parallel3d.topology import Topology
     from parallel3d.zero import ZeroOptimizer
 
-    model = _model()
+    model = _model(dtype)  # the all-gather moves the parameters' dtype, the reduce-scatter fp32
     opt = ZeroOptimizer(model.parameters(), TrainConfig(), Topology(1, 1, 2), stage=2, bucket_mb=bucket_mb)
     group = opt.dp_group
     grads = [torch.randn(b.numel) for b in opt.layout.buckets]
@@ -182,14 +193,16 @@ def _comm(steps: int, bucket_mb: float) -> dict:
     return out
 
 
-def _fsdp2(case: str, steps: int, seq: int) -> dict:
-    from torch.distributed.fsdp import fully_shard
+def _fsdp2(case: str, steps: int, seq: int, dtype: str) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = _model()
+    model = _model()  # fp32 shards: FSDP2's master weights
     reshard = case == "fsdp2-zero3"
+    # bf16: FSDP2's mixed precision, the same bytes as ours: bf16 all-gathers, fp32 reductions
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
     for layer in model.layers.values():
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(layer, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rank = dist.get_rank()
 
@@ -212,11 +225,11 @@ def worker(args) -> None:
             kind, _, mb = case.partition("@")  # "zero2-on@0.5": that case with 0.5 MiB buckets
             bucket_mb = float(mb) if mb else args.bucket_mb
             if kind == "comm":
-                row[case] = _comm(args.steps, bucket_mb)
+                row[case] = _comm(args.steps, bucket_mb, args.dtype)
             elif kind.startswith("fsdp2"):
-                row[case] = _fsdp2(kind, args.steps, args.seq)
+                row[case] = _fsdp2(kind, args.steps, args.seq, args.dtype)
             else:
-                row[case] = _ours(kind, args.steps, bucket_mb, args.seq)
+                row[case] = _ours(kind, args.steps, bucket_mb, args.seq, args.dtype)
             if rank == 0:
                 print(f"round {r} {case}: {row[case]['step']:.3f} s/step, cpu {row[case]['cpu']:.3f} s/step",
                       flush=True)
@@ -232,7 +245,7 @@ def _spread(values: list[float], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
 
 
-def report(ranks: list[list[dict]], rate: float, seq: int = SEQ) -> None:
+def report(ranks: list[list[dict]], rate: float, seq: int = SEQ, dtype: str = "fp32") -> None:
     """Per round, a case's time is the slower rank's; ratios are taken within the round."""
     rounds = []
     for rows in zip(*ranks):
@@ -244,7 +257,7 @@ def report(ranks: list[list[dict]], rate: float, seq: int = SEQ) -> None:
     cases = [c for c in rounds[0] if c != "load"]
     col = lambda case, key: [r[case][key] for r in rounds]  # noqa: E731
     has = {"compute", "comm"} <= set(cases)
-    print(f"\ndp 2 across two hosts, link {rate:g} Mbit/s each way (tc tbf), {MICRO} x {seq} tokens a rank; "
+    print(f"\ndp 2 across two hosts, link {rate:g} Mbit/s each way (tc tbf), {MICRO} x {seq} tokens a rank, {dtype} parameters; "
           f"{len(rounds)} rounds: median "
           f"(min-max); load average at the rounds' starts {_spread([r['load'] for r in rounds], '{:.1f}')}")
     print("| case | s/step | CPU s/step | MB sent/step | / max(compute, comm) | / (compute + comm) |")
@@ -283,6 +296,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=2.0)
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence (compute per byte sent)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="the parameters' dtype (bf16: fp32 masters and reductions, bf16 all-gathers; "
+                             "FSDP2 with the same MixedPrecisionPolicy)")
     parser.add_argument("--cases", default=",".join(CASES),
                         help="comma-separated; CASE@MB runs CASE with MB MiB buckets instead of --bucket-mb")
     parser.add_argument("--mtu", type=int, default=0,
@@ -321,7 +337,7 @@ def main() -> None:
                                  sys.executable, __file__, "--worker", "--rank", str(i), "--addr", hosts.addr(0),
                                  "--port", str(args.port), "--out", str(out), "--steps", str(args.steps),
                                  "--rounds", str(args.rounds), "--bucket-mb", str(args.bucket_mb), "--seq", str(args.seq),
-                                 "--cases", ",".join(args.cases)], Path(tmp) / f"rank{i}.log",
+                                 "--dtype", args.dtype, "--cases", ",".join(args.cases)], Path(tmp) / f"rank{i}.log",
                              env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
                  for i in range(2)]
         codes = [p.wait() for p in procs]
@@ -333,7 +349,7 @@ def main() -> None:
         ranks = [json.loads(Path(f"{out}.{i}").read_text()) for i in range(2)]
     print(f"end: uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}"
           f"{', pinned: host i on CPU i' if args.pin else ''}{f', MTU {args.mtu}' if args.mtu else ''}")
-    report(ranks, args.rate_mbit, args.seq)
+    report(ranks, args.rate_mbit, args.seq, args.dtype)
     print("\nraw: " + json.dumps(ranks))
 
 
