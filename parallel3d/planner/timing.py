@@ -251,15 +251,48 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
               eff: Efficiency, split: list[int] | None = None) -> StepTime:
     """The step of ``layout``, with the efficiencies ``eff`` (the planner's default:
     ``parallel3d.planner.calibrate.default_efficiency()``)."""
-    model, b = work.model, work.bytes
+    model = work.model
     split = split or layer_split(model, layout.pp, layout.virtual_stages, schedule=layout.schedule)
     m = layout.n_micro(work)
     tokens = layout.micro_batch * work.seq_len // layout.cp  # a cp rank's head-tail chunks
     flop_rate = gpu.peak_flops * eff.compute
-
-    # -- one pipeline slot of the slowest stage: forward, input gradient, weight gradient -
     phases = [stage_phase_flops(work, layout, r, split) for r in range(layout.pp)]
     slowest = max(phases, key=sum)
+    f, bwd, w, parts, max_layers, act_bytes = _slot(work, layout, gpu, gpus_per_node, eff, split, tokens, slowest)
+    compute_s, tp_comm_s, cp_comm_s, ep_comm_s = (m * x for x in parts)  # the slot's parts, m times
+    bubble_s = bubble_seconds(layout.schedule, layout.pp, layout.virtual_stages, m, f, bwd, w)
+
+    # -- pipeline point-to-point ------------------------------------------------------
+    pp_comm_s = _pp_seconds(layout, act_bytes, m + bubble_s / sum(parts), gpu, gpus_per_node, eff)
+
+    # -- data parallelism and the optimizer step ----------------------------------------
+    # Each stage's collectives against its own compute (the slot's communication spread
+    # over the slowest stage's layers); the stage exposing most counts.
+    f_comm = (f - slowest[0] * tokens / flop_rate) / max_layers
+    b_comm = (bwd - slowest[1] * tokens / flop_rate) / max_layers
+    dp = max((stage_dp_time(work, layout, r, split, phases[r], tokens, flop_rate, f_comm, b_comm, gpu,
+                            gpus_per_node, eff) for r in range(layout.pp)), key=lambda d: d.exposed_s)
+    dp_comm_s = dp.exposed_s
+    optimizer_s = _optimizer_seconds(work, layout, split, gpu, eff)
+
+    step_s = compute_s + bubble_s + tp_comm_s + cp_comm_s + ep_comm_s + pp_comm_s + dp_comm_s + optimizer_s
+    tokens_per_s = work.tokens_per_step / step_s
+    # LoRA: the model's FLOPs less the weight gradients it does not compute (a third of
+    # the 6 N per token; the adapters' own are negligible)
+    achieved = tokens_per_s * model_flops_per_token(model, work.seq_len) * (2 / 3 if work.lora else 1)
+    return StepTime(step_s=step_s, compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
+                    pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
+                    tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops),
+                    cp_comm_s=cp_comm_s, ep_comm_s=ep_comm_s, dp_hidden_s=dp.hidden_s)
+
+
+def _slot(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int, eff: Efficiency, split: list[int],
+          tokens: int, slowest) -> tuple:
+    """One pipeline slot of the slowest stage: its forward, input-gradient and weight-gradient
+    seconds with their communication, the slot's (compute, tp, cp, ep) seconds, the most
+    layers a rank holds and a micro-batch's activation bytes."""
+    model, b = work.model, work.bytes
+    flop_rate = gpu.peak_flops * eff.compute
     tp_bw, tp_lat = _links(gpu, eff, layout.tp <= gpus_per_node)
     act_bytes = tokens * model.dim * b["act"]
     max_layers = max(sum(split[c] for c in rank_chunks(r, layout.pp, layout.virtual_stages, layout.schedule))
@@ -284,36 +317,7 @@ def step_time(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     ep_f, ep_b = 2 * a2a, (4 if layout.recompute == "full" else 2) * a2a
     f, bwd = f + ep_f, bwd + ep_b
     ep_slot = ep_f + ep_b
-    slot = compute_slot + tp_slot + cp_slot + ep_slot
-
-    compute_s = m * compute_slot
-    bubble_s = bubble_seconds(layout.schedule, layout.pp, layout.virtual_stages, m, f, bwd, w)
-    tp_comm_s = m * tp_slot
-    cp_comm_s = m * cp_slot
-    ep_comm_s = m * ep_slot
-
-    # -- pipeline point-to-point ------------------------------------------------------
-    pp_comm_s = _pp_seconds(layout, act_bytes, m + bubble_s / slot, gpu, gpus_per_node, eff)
-
-    # -- data parallelism and the optimizer step ----------------------------------------
-    # Each stage's collectives against its own compute (the slot's communication spread
-    # over the slowest stage's layers); the stage exposing most counts.
-    f_comm = (f - slowest[0] * tokens / flop_rate) / max_layers
-    b_comm = (bwd - slowest[1] * tokens / flop_rate) / max_layers
-    dp = max((stage_dp_time(work, layout, r, split, phases[r], tokens, flop_rate, f_comm, b_comm, gpu,
-                            gpus_per_node, eff) for r in range(layout.pp)), key=lambda d: d.exposed_s)
-    dp_comm_s = dp.exposed_s
-    optimizer_s = _optimizer_seconds(work, layout, split, gpu, eff)
-
-    step_s = compute_s + bubble_s + tp_comm_s + cp_comm_s + ep_comm_s + pp_comm_s + dp_comm_s + optimizer_s
-    tokens_per_s = work.tokens_per_step / step_s
-    # LoRA: the model's FLOPs less the weight gradients it does not compute (a third of
-    # the 6 N per token; the adapters' own are negligible)
-    achieved = tokens_per_s * model_flops_per_token(model, work.seq_len) * (2 / 3 if work.lora else 1)
-    return StepTime(step_s=step_s, compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=tp_comm_s,
-                    pp_comm_s=pp_comm_s, dp_comm_s=dp_comm_s, optimizer_s=optimizer_s,
-                    tokens_per_s=tokens_per_s, mfu=achieved / (layout.world_size * gpu.peak_flops),
-                    cp_comm_s=cp_comm_s, ep_comm_s=ep_comm_s, dp_hidden_s=dp.hidden_s)
+    return f, bwd, w, (compute_slot, tp_slot, cp_slot, ep_slot), max_layers, act_bytes
 
 
 def _pp_seconds(layout: Layout, act_bytes: float, slots: float, gpu: GPU, gpus_per_node: int,

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -82,10 +83,44 @@ class Trainer:
         self.data = build_train_data(cfg, topo, self.device, self.model_cfg.vocab_size)
         self.sampler = self.data.sampler  # its state_dict() is the data position to checkpoint
         self.checkpointer = Checkpointer(cfg, topo, self.model_cfg)
-        # This rank's part of the model on meta; the optimizer allocates its shards once in the
-        # storage dtype, filled by the seeded init or read slice by slice; fp32 masters last.
         self.dtype = storage_dtype(cfg.train, self.device)
         family = model_family(cfg.model.family)  # models/<family>/: its model and its parallelize
+        self._build_model(family)  # model, loss_fn, timeline, moe, optimizer: this rank's weights filled
+        self.schedule = build_schedule(
+            self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
+            activation_shape=family.activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
+                                              topo.tp, cfg.parallel.sequence_parallel, topo.cp),
+            autocast=autocast_for(cfg.train, self.device), timeline=self.timeline, watch=self.watch)
+        # data.blend: each source's loss sums and supervised tokens per step (loss/<name>)
+        self.source_names = self.data.source_names
+        self.source_sums = SourceLossSums(len(self.source_names), self.device) if self.source_names else None
+        if self.source_sums is not None and hasattr(self.loss_fn, "per_source"):
+            self.loss_fn.per_source = self.source_sums
+        self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
+                                     global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
+        self.step_hooks: list = []
+        # the innermost group with collectives inside forward/backward (tp, pp sends, ZeRO 2)
+        self._compute_axis = next((a for a in ("tp", "pp", "dp") if getattr(topo, a) > 1), "world")
+        self.guard = StepGuard(rel.on_nonfinite, rel.spike_factor, rel.spike_window, self._warn)
+        # Optimizer, data position and RNG of the checkpoint being resumed; its step.
+        self.step = self.checkpointer.load_training_state(self)
+        # Every rank loaded before any collective bound by comm_timeout_s (and before the
+        # first step arms the watchdog): the slowest rank's load is nobody's hang.
+        self.checkpointer.wait_for_every_rank()
+        if on_stop == "checkpoint":
+            on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
+        self.on_stop = on_stop
+        resumed = self.checkpointer.resumed_from is not None
+        # each step's record until it is complete, and rank 0's writers (metrics.jsonl, sinks)
+        self.records = StepRecords(cfg, self.observer, self.timeline, log and topo.rank == 0,
+                                   self.step if resumed else None)
+        self.metrics = self.records.metrics
+        self._memory_logged = False
+
+    def _build_model(self, family) -> None:
+        """This rank's part of the model on meta; the optimizer allocates its shards once in
+        the storage dtype, filled by the seeded init or read slice by slice; fp32 masters last."""
+        cfg, topo = self.cfg, self.topo
         self.model, self.loss_fn = family.build_meta(self.model_cfg, topo, cfg.parallel)
         apply_lora(self.model, cfg, topo)  # [lora]: adapters on the targets, the rest frozen (rank 0: no change)
         family.apply_recompute(self.model, cfg.train.recompute)
@@ -111,37 +146,6 @@ class Trainer:
         else:
             self.checkpointer.load_weights(self.model, fill)
         self.optimizer.take_masters()
-        self.schedule = build_schedule(
-            self.model, self.loss_fn, topo, cfg.parallel, device=self.device,
-            activation_shape=family.activation_shape(self.model_cfg, cfg.train.micro_batch, cfg.train.seq_len,
-                                              topo.tp, cfg.parallel.sequence_parallel, topo.cp),
-            autocast=autocast_for(cfg.train, self.device), timeline=self.timeline, watch=self.watch)
-        # data.blend: each source's loss sums and supervised tokens per step (loss/<name>)
-        self.source_names = self.data.source_names
-        self.source_sums = SourceLossSums(len(self.source_names), self.device) if self.source_names else None
-        if self.source_sums is not None and hasattr(self.loss_fn, "per_source"):
-            self.loss_fn.per_source = self.source_sums
-        self.observer = StepObserver(cfg.observability, topo, self.device, self.model_cfg,
-                                     global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len)
-        self.step_hooks: list = []
-        # The group carrying the collectives inside forward/backward (tp all-reduces,
-        # pipeline sends, ZeRO-2 reduce-scatters), innermost first.
-        self._compute_axis = next((a for a in ("tp", "pp", "dp") if getattr(topo, a) > 1), "world")
-        self.guard = StepGuard(rel.on_nonfinite, rel.spike_factor, rel.spike_window, self._warn)
-        # Optimizer, data position and RNG of the checkpoint being resumed; its step.
-        self.step = self.checkpointer.load_training_state(self)
-        # Every rank loaded before any collective bound by comm_timeout_s (and before the
-        # first step arms the watchdog): the slowest rank's load is nobody's hang.
-        self.checkpointer.wait_for_every_rank()
-        if on_stop == "checkpoint":
-            on_stop = self.checkpointer.save_now if self.checkpointer.enabled else None
-        self.on_stop = on_stop
-        resumed = self.checkpointer.resumed_from is not None
-        # each step's record until it is complete, and rank 0's writers (metrics.jsonl, sinks)
-        self.records = StepRecords(cfg, self.observer, self.timeline, log and topo.rank == 0,
-                                   self.step if resumed else None)
-        self.metrics = self.records.metrics
-        self._memory_logged = False
 
     def train_step(self) -> dict:
         """One optimizer step; returns its record (the same on every rank).
@@ -152,19 +156,15 @@ class Trainer:
         cfg = self.cfg.train
         if self.step == 0 and dist.is_initialized() and self.topo.world_size > 1:
             dist.barrier()  # start the first step together: its time is not setup's skew
-        # No device-wide synchronisation: the host waits for the step's loss (in the
-        # closing collective) and for an event after the optimizer's update on the
-        # compute stream (wait_for_issued_work), so the step time is the step's own work,
-        # update included, and the parameter all-gathers issued by apply() on their own
-        # stream still run under the next step's forward (the timeline's CUDA events give
-        # the per-span GPU times).
+        # No device-wide synchronisation: the host waits for the loss (the closing collective)
+        # and an event after the update (wait_for_issued_work); the parameter all-gathers
+        # apply() issues on their own stream run under the next step's forward.
         t0, cpu0 = time.perf_counter(), time.process_time()
         timeline = self.timeline
         timeline.begin_step(self.step + 1)
         lr = lr_at(self.step, cfg)
         self.watch.step = self.step + 1
-        # the wait for data is no collective: not judged (a first batch built on a loaded
-        # host took seconds); the peers' reports name this rank "in waiting for data"
+        # no collective, not judged (a first batch on a loaded host took seconds); peers: "waiting for data"
         self.watch.pause("waiting for data")
         with timeline.span("data", "data"):  # the wait for batches built in the background
             micro_batches, _ = self.data.loader.next()
@@ -188,12 +188,16 @@ class Trainer:
             self.optimizer.apply(lr, grad_norm, skip=not math.isfinite(loss))
             self.wait_for_issued_work()  # the step's time includes its optimizer
         dt = time.perf_counter() - t0
-        cpu = (time.process_time() - cpu0, cpu_fwd_bwd)
         self.step += 1
-        tokens = cfg.global_batch * cfg.seq_len
-        grad_norm = float(grad_norm)
+        return self._record(loss, float(grad_norm), lr, dt, (time.process_time() - cpu0, cpu_fwd_bwd),
+                            moe_parts, source_part)
+
+    def _record(self, loss: float, grad_norm: float, lr: float, dt: float, cpu: tuple, moe_parts,
+                source_part) -> dict:
+        """The finished step's record; its per-rank row held until the next collective."""
+        cfg, timeline = self.cfg.train, self.timeline
         record = {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "tokens_per_s": tokens / dt, "step_time_s": dt,
+                  "tokens_per_s": cfg.global_batch * cfg.seq_len / dt, "step_time_s": dt,
                   **self.observer.throughput(dt)}
         self.records.hold(record, self.observer.row(dt, timeline.step_spans(), timeline.last_bubble or 0.0, cpu))
         if moe_parts is not None:
@@ -275,7 +279,6 @@ class Trainer:
         """Records completed since the last call (no collective)."""
         return self.records.take()
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over every token of ``eval.batches`` global batches of the validation
         split (the same sequences at every evaluation).
@@ -283,26 +286,23 @@ class Trainer:
         The forward runs through the pipeline schedule's forward-only pass (the whole
         model as one chunk when pp = 1), so any layout evaluates the same sequences.
         """
-        n_batches = self.cfg.eval.batches
-        # (no finish_param_gather: the forward waits for, or under ZeRO 3 gathers, each
-        # module's buckets itself)
-        # on the device: the dp group may be NCCL's, which takes only CUDA tensors
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for b in range(n_batches):
-            total += self.schedule.forward_only(self.data.val_micro_batches(b)) / n_batches
-        return float(all_reduce(total, self.topo.dp_cp_group) / self.topo.dp_cp)
+        return self._val_loss(self.data.val_micro_batches)
 
-    @torch.no_grad()
     def evaluate_sources(self) -> dict:
         """``val_loss/<name>``: each data.blend source's held-out loss, as :meth:`evaluate`
         over that source's validation split (nothing for one dataset)."""
-        out, n = {}, self.cfg.eval.batches
-        for name in self.source_names:
-            total = torch.zeros((), dtype=torch.float32, device=self.device)
-            for b in range(n):
-                total += self.schedule.forward_only(self.data.source_val_micro_batches(name, b)) / n
-            out[f"val_loss/{name}"] = float(all_reduce(total, self.topo.dp_cp_group) / self.topo.dp_cp)
-        return out
+        return {f"val_loss/{name}": self._val_loss(partial(self.data.source_val_micro_batches, name))
+                for name in self.source_names}
+
+    @torch.no_grad()
+    def _val_loss(self, micro_batches_of) -> float:
+        # (no finish_param_gather: the forward waits for, or under ZeRO 3 gathers, each
+        # module's buckets itself); on the device: the dp group may be NCCL's (CUDA only)
+        n = self.cfg.eval.batches
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for b in range(n):
+            total += self.schedule.forward_only(micro_batches_of(b)) / n
+        return float(all_reduce(total, self.topo.dp_cp_group) / self.topo.dp_cp)
 
     def finish_param_gather(self) -> None:
         """Wait for the optimizer's post-step parameter all-gathers still in flight (ZeRO
