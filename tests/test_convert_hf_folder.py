@@ -54,3 +54,21 @@ def test_convert_to_hf_keeps_the_tokenizer_and_the_generation_config(tmp_path, c
     assert (gen.max_new_tokens, gen.min_new_tokens, gen.do_sample) == (6, 6, False)
     want, _ = _generate(src, "def f(x):\n    return x")
     assert ids == want and len(ids) == len(want)
+
+
+def test_a_conversion_failing_after_its_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A failure after the tensors are written (here: copying the tokenizer) removes the
+    temporary folder and creates no destination; the source is untouched."""
+    from parallel3d.checkpoint import convert as conv
+
+    src = _tiny_hf_folder(tmp_path / "src")
+    before = sorted(p.name for p in src.iterdir())
+
+    def broken_copy(*args):
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(conv, "copy_companion_files", broken_copy)
+    with pytest.raises(OSError, match="disk full"):
+        conv.convert(src, tmp_path / "dst", to="hf", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no dst, no .dst.tmp-convert*
+    assert sorted(p.name for p in src.iterdir()) == before

@@ -206,20 +206,25 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
         tmp = final.with_name(f".{final.name}.tmp-convert{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         created = not dst.exists()  # removed again if the conversion fails
+        cleanup = dst if created and to == "parallel3d" else tmp
         tmp.mkdir(parents=True)
-        check = _SourceCheck(raw) if verify == "full" else None
-        names = [n for n in source.names() if to == "parallel3d" or n.startswith("model/")]
-        total = sum(_nbytes(*source.spec(n)) for n in names)
-        bar = Progress(total, f"convert -> {to}", enabled=progress)
-        t0 = time.monotonic()
-        write = {"hf": writers.write_hf, "parallel3d": writers.write_parallel3d, "dcp": writers.write_dcp}[to]
-        _write_checked(write, writers.check_output, source, tmp, to, names, cast=cast, verify=verify,
-                       check=check, bar=bar, cleanup=dst if created and to == "parallel3d" else tmp,
-                       max_shard_bytes=max_shard_bytes, budget=budget_bytes, threads=threads)
-        companions = []
-        if to == "hf" and isinstance(source, HFFolder):  # the tokenizer and generation config go along
-            companions = copy_companion_files(src, tmp)
-        _publish(tmp, final)
+        try:  # whatever fails from here on leaves no temporary folder behind
+            check = _SourceCheck(raw) if verify == "full" else None
+            names = [n for n in source.names() if to == "parallel3d" or n.startswith("model/")]
+            total = sum(_nbytes(*source.spec(n)) for n in names)
+            bar = Progress(total, f"convert -> {to}", enabled=progress)
+            t0 = time.monotonic()
+            write = {"hf": writers.write_hf, "parallel3d": writers.write_parallel3d, "dcp": writers.write_dcp}[to]
+            _write_checked(write, writers.check_output, source, tmp, to, names, cast=cast, verify=verify,
+                           check=check, bar=bar, max_shard_bytes=max_shard_bytes, budget=budget_bytes,
+                           threads=threads)
+            companions = []
+            if to == "hf" and isinstance(source, HFFolder):  # the tokenizer and generation config go along
+                companions = copy_companion_files(src, tmp)
+            _publish(tmp, final)
+        except BaseException:
+            shutil.rmtree(cleanup, ignore_errors=True)
+            raise
         if to == "parallel3d":
             (dst / LATEST).write_text(final.name + "\n")
         seconds = time.monotonic() - t0
@@ -233,10 +238,9 @@ def convert(src: str | Path, dst: str | Path, to: str, *, config: str | Path | N
 
 
 def _write_checked(write, check_output, source, tmp: Path, to: str, names, *, cast, verify: str,
-                   check, bar, cleanup: Path, max_shard_bytes: int, budget: int, threads) -> None:
+                   check, bar, max_shard_bytes: int, budget: int, threads) -> None:
     """Write ``source`` into ``tmp`` with ``write`` (one of :mod:`.writers`) and verify it as
-    ``verify`` says; on any failure remove ``cleanup`` before re-raising. ``bar`` is closed
-    either way."""
+    ``verify`` says (the caller removes ``tmp`` on a failure). ``bar`` is closed either way."""
     try:
         with zerocopy.zero_copy_reads():
             out = write(tmp, source, cast=cast, max_shard_bytes=max_shard_bytes, progress=bar,
@@ -246,9 +250,6 @@ def _write_checked(write, check_output, source, tmp: Path, to: str, names, *, ca
         if verify == "full":
             check.join()
             _verify_written(source, tmp, to, names, cast)
-    except BaseException:
-        shutil.rmtree(cleanup, ignore_errors=True)
-        raise
     finally:
         bar.close()
 
