@@ -47,6 +47,7 @@ def _train(job: dict, stop_at: int | None = None) -> dict:
     opt = trainer.optimizer
     parts = getattr(opt, "parts", (opt,))
     sharded = [part.frozen for part in parts if getattr(part, "frozen", None) is not None]  # ZeRO 3
+    holders = [m for f in sharded for m in getattr(f, "members", [f])]  # a FrozenGroups' members
     for f in sharded:  # whole, to copy (freed by the first update)
         f.gather_all()
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
@@ -66,7 +67,8 @@ def _train(job: dict, stop_at: int | None = None) -> dict:
             "report": report,
             "formula": lora_state_bytes(trainer.model, "fp32", cfg.parallel.zero, cfg.parallel.dp,
                                         cfg.parallel.dp // cfg.parallel.ep),
-            "state_numel": sum(t.numel() for part in parts for t in part.memory_tensors()["optimizer_state"])}
+            "state_numel": sum(t.numel() for part in parts for t in part.memory_tensors()["optimizer_state"]),
+            "frozen_replicas": [h.layout.dp for h in holders]}
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +146,37 @@ def test_moe_lora_trains_as_one_process(pools, corpus_dir, tmp_path, reference, 
         if got["expert_adapters"]:  # a stage with a sparse layer: its own experts' adapters only
             assert got["expert_adapters"] == [str(e) for e in range(topo.ep_rank * 8 // ep,
                                                                     (topo.ep_rank + 1) * 8 // ep)]
+
+
+def test_attention_only_lora_at_zero3_ep2_shards_the_frozen_experts_and_trains_as_one_process(
+        pools, one_thread, corpus_dir, tmp_path):
+    """LoRA on the attention only of a Mixture-of-Experts model at dp 4 x ep 2, ZeRO 3: one
+    optimizer for the adapters, the frozen dense weights sharded over dp (4) and the frozen
+    experts over their own replicas (edp 2), beside it. Losses equal one process's (fp32,
+    1e-5), the base is unchanged, the bytes are the dry run's, and a run stopped at step 4
+    continues with the straight run's losses."""
+    def job(name, **parallel):
+        j = _job(corpus_dir, str(tmp_path / name), **parallel)
+        j["lora"]["targets"] = ["q_proj", "v_proj"]
+        return j
+
+    one = _train(job("one"))
+    layout = {"dp": 4, "ep": 2, "zero": 3}
+    ranks = pools(4).run(_train, job("4", **layout))
+    for got in ranks:
+        assert relative_diff(got["losses"], one["losses"]) < 1e-5, (got["losses"], one["losses"])
+        assert got["frozen_unchanged"] and got["frozen_with_grad"] == 0 and not got["expert_adapters"]
+        f, r = got["formula"], got["report"]
+        assert (f.weights, f.grads, f.optimizer) == (r["params"], r["grads"], r["optimizer_state"]), (f, r)
+        assert got["frozen_replicas"] == [4, 2]  # the dense frozen weights over dp, the experts over edp
+    first = job("first", **layout)
+    first["checkpoint"] = {"interval": 4, "keep": 0}
+    assert pools(4).run(_train, first, 4)[0]["losses"] == ranks[0]["losses"][:4]
+    then = job("then", **layout)
+    then["checkpoint"] = {"resume": str(tmp_path / "first" / "checkpoints" / "step_00000004")}
+    for got in pools(4).run(_train, then):
+        assert relative_diff(got["losses"], ranks[0]["losses"][4:]) < 1e-5, (got["losses"], ranks[0]["losses"])
+        assert got["frozen_unchanged"]
 
 
 def test_expert_adapters_resume_across_ep(pools, corpus_dir, tmp_path):

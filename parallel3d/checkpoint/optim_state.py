@@ -93,9 +93,16 @@ def sharded_model_slots(optimizer, placements: dict[int, Placement], with_frozen
     if not all(_is_zero(part) and getattr(part, "sharded", None) is not None for part in parts):
         return None
     if with_frozen:  # each part's frozen weights (LoRA at ZeRO 3), sharded as the part is
-        parts = (*parts, *[p.frozen for p in parts if getattr(p, "frozen", None) is not None])
+        parts = (*parts, *[f for p in parts for f in _frozen_parts(p)])
     return [Slot(f"model/{pl.name}", pl, part.param_shards[b][lo:hi], (a, c))
             for part in parts for p, pl, b, lo, hi, a, c in _zero_segments(part, placements)]
+
+
+def _frozen_parts(part) -> list:
+    """A part's frozen weights' shard holders (``zero/frozen.py``): none, its
+    ``FrozenShards``, or the members of its ``FrozenGroups``."""
+    frozen = getattr(part, "frozen", None)
+    return [] if frozen is None else list(getattr(frozen, "members", [frozen]))
 
 
 def _zero_slots(opt, placements):

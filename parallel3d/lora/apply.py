@@ -81,11 +81,6 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
         # an expert's tokens arrive permuted by the dispatch, without their stream keys
         raise UserError(f"lora.dropout {lora.dropout} on a Mixture-of-Experts model's MLP projections is not "
                         "implemented: set lora.dropout=0, or keep lora.targets to the attention projections")
-    moe_frozen = not (set(lora.targets) | set(lora.trainable)) & set(MLP_TARGETS)
-    if _model_cfg(model).moe is not None and moe_frozen and cfg.parallel.ep > 1 and cfg.parallel.zero == 3:
-        # ZeRO 3 shards frozen experts beside the experts' optimizer part, which nothing trains here
-        raise UserError("LoRA at ZeRO 3 with parallel.ep > 1 and every expert weight frozen is not implemented: "
-                        "add gate_proj, up_proj and down_proj to lora.targets, or use parallel.zero=2")
     on_experts = False
     for key, layer in model.layers.items():
         experts = getattr(layer.mlp, "experts", None)  # a Mixture-of-Experts layer's routed experts

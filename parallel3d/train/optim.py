@@ -17,7 +17,7 @@ from parallel3d.config import Dtype, TrainConfig
 from parallel3d.grad_norm import applies_weight_decay
 from parallel3d.topology import Topology
 from parallel3d.zero import ZeroOptimizer
-from parallel3d.zero.frozen import FrozenShards
+from parallel3d.zero.frozen import FrozenGroups, FrozenShards
 from parallel3d.zero.split import SplitOptimizer, is_expert
 
 
@@ -86,15 +86,19 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
 
     if topo.ep > 1 and any(is_expert(p) and p.requires_grad for p in params):
         # experts live on edp x cp replicas, the rest on dp x cp: one optimizer each (and
-        # at ZeRO 3 the frozen weights likewise, beside their part). Frozen experts alone
-        # (LoRA on the attention only) need no part of their own below ZeRO 3; at ZeRO 3
-        # apply_lora refuses that job (their shards would have no part to sit beside).
+        # at ZeRO 3 the frozen weights likewise, beside their part)
         frozen = (frozen_shards(topo.replicas(), lambda p: not is_expert(p)),
                   frozen_shards(topo.expert_replicas(), is_expert))
         opt = SplitOptimizer(params, train_cfg, topo, **kwargs)
         opt.dense.frozen, opt.experts.frozen = frozen
         return opt
-    frozen = frozen_shards(topo.replicas())
+    if topo.ep > 1:  # no expert weight trains (LoRA on the attention): one optimizer; at ZeRO 3
+        # the frozen experts still shard over their own replicas, beside the rest's shards
+        groups = [f for f in (frozen_shards(topo.replicas(), lambda p: not is_expert(p)),
+                              frozen_shards(topo.expert_replicas(), is_expert)) if f is not None]
+        frozen = FrozenGroups(groups) if len(groups) > 1 else (groups[0] if groups else None)
+    else:
+        frozen = frozen_shards(topo.replicas())
     opt = ZeroOptimizer(params, train_cfg, topo, **kwargs)
     opt.frozen = frozen
     return opt

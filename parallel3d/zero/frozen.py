@@ -17,7 +17,9 @@ is for a reader outside it). Per rank::
 A LoRA fine-tune of a 70B base at dp 8 then holds 17.5 GB of bf16 base per GPU, not
 140 GB, as FSDP-LoRA does. Under expert parallelism the frozen experts shard over their
 own replicas (edp x cp): one ``FrozenShards`` for them beside the expert optimizer, one
-for the rest beside the dense one (``train/optim.build_optimizer``, ``select``).
+for the rest beside the dense one (``train/optim.build_optimizer``, ``select``); when no
+expert weight trains (LoRA on the attention only), both sit beside the one optimizer, as a
+:class:`FrozenGroups`.
 """
 
 from __future__ import annotations
@@ -77,3 +79,32 @@ class FrozenShards:
 
     def memory_tensors(self) -> list[torch.Tensor]:
         return [self.sharded.shard_flat]
+
+
+class FrozenGroups:
+    """Several :class:`FrozenShards` (each over its own replicas) as one: the frozen dense
+    weights and the frozen routed experts of an optimizer that trains neither (LoRA on a
+    Mixture-of-Experts model's attention only, at ep > 1)."""
+
+    def __init__(self, members: list[FrozenShards]):
+        self.members = members
+
+    def fill_params(self, fill) -> None:
+        for m in self.members:
+            m.fill_params(fill)
+
+    def gather_all(self) -> None:
+        for m in self.members:
+            m.gather_all()
+
+    def free_all(self) -> None:
+        for m in self.members:
+            m.free_all()
+
+    def release(self) -> None:
+        for m in self.members:
+            m.release()
+
+    def memory_tensors(self) -> list[torch.Tensor]:
+        return [t for m in self.members for t in m.memory_tensors()]
+
