@@ -144,3 +144,61 @@ def test_lora_on_the_seeded_base_resumes_from_a_checkpoint_holding_the_base(corp
         assert reader.has("model/layers.0.mlp.up_proj.weight") and reader.has("model/embed_tokens.weight")
     again = _run(job("resumed"))
     assert again["resumed"] and first + again["losses"] == straight
+
+
+def test_trainable_weights_export_as_peft_modules_to_save(pools, corpus_dir, tmp_path):
+    """``lora.trainable`` (the final norm, every layer's input norm, the head) with
+    ``checkpoint.export_peft`` at tp 2: the folder lists them as PEFT's modules_to_save
+    (the final norm as ``model.norm``, so peft wraps that one norm and not the layers'),
+    holds them whole (the head's two vocabulary shards joined), and peft loads it onto the
+    base with the run's logits (fp32, 1e-5); without the trained weights the logits move."""
+    hf_dir = make_hf_model("llama", tmp_path / "hf")
+    job = _job(corpus_dir, tmp_path / "tp2", hf_dir, tp=2)
+    job["train"]["steps"] = 4
+    job["lora"].update(targets=["q_proj", "v_proj"], trainable=["norm", "input_layernorm", "lm_head"])
+    job["checkpoint"].update(export_peft="adapter")
+    got = pools(2).run(_run, job)[0]
+    base = transformers.LlamaForCausalLM.from_pretrained(str(hf_dir), attn_implementation="sdpa")
+    n_layers = base.config.num_hidden_layers
+    tuned = peft.PeftModel.from_pretrained(base, str(tmp_path / "tp2" / "adapter")).eval()
+    assert tuned.peft_config["default"].modules_to_save == ["input_layernorm", "lm_head", "model.norm"]
+    wrapped = sorted(n for n, m in tuned.named_modules() if type(m).__name__ == "ModulesToSaveWrapper")
+    assert len(wrapped) == n_layers + 2 and not any("post_attention" in n for n in wrapped), wrapped
+    with torch.no_grad():
+        logits = tuned(input_ids=TOKENS).logits
+    torch.testing.assert_close(logits, got["logits"], rtol=1e-5, atol=1e-5)
+    saved = _hf_tensors(hf_dir)
+    head = tuned.base_model.model.lm_head.modules_to_save["default"].weight
+    assert head.shape == saved["lm_head.weight"].shape and (head - saved["lm_head.weight"]).abs().max() > 1e-4
+    with tuned.disable_adapter(), torch.no_grad():  # the base's norms and head: other logits
+        assert (tuned(input_ids=TOKENS).logits - logits).abs().max() > 1e-3
+    # and back in: a run started from the folder (lora.adapter) holds its weights, in one process
+    again = _job(corpus_dir, tmp_path / "again", hf_dir)
+    again["lora"].update(targets=["q_proj", "v_proj"], trainable=["norm", "input_layernorm", "lm_head"],
+                         adapter=str(tmp_path / "tp2" / "adapter"))
+    trainer = Trainer(config_from_dict(again), Topology(1, 1, 1))
+    with torch.no_grad():
+        restarted = trainer.model(TOKENS)[..., :trainer.model_cfg.vocab_size]
+    trainer.release()
+    torch.testing.assert_close(restarted, logits, rtol=1e-5, atol=1e-5)
+    again["lora"]["trainable"] = ["lm_head"]  # a folder whose modules_to_save are not lora.trainable's
+    with pytest.raises(UserError, match=r"set lora.trainable=\['input_layernorm', 'lm_head', 'norm'\]"):
+        Trainer(config_from_dict(again), Topology(1, 1, 1))
+
+
+def test_export_peft_refuses_a_weight_that_is_both_target_and_trainable(corpus_dir, tmp_path):
+    hf_dir = make_hf_model("llama", tmp_path / "hf")
+    job = _job(corpus_dir, tmp_path / "run", hf_dir)
+    job["lora"]["trainable"] = ["q_proj"]
+    job["checkpoint"]["export_peft"] = "adapter"
+    with pytest.raises(UserError, match="q_proj both in lora.targets and in lora.trainable"):
+        Trainer(config_from_dict(job), Topology(1, 1, 1))
+
+
+def test_export_peft_refuses_a_trained_tied_embedding(corpus_dir, tmp_path):
+    job = tiny_job(corpus_dir, str(tmp_path / "run"), lora={"rank": 4, "alpha": 8.0, "targets": ["q_proj"],
+                                                            "trainable": ["lm_head"]},
+                   checkpoint={"export_peft": "adapter"})
+    job["model"]["tie_embeddings"] = True
+    with pytest.raises(UserError, match="trained tied embedding is not written"):
+        Trainer(config_from_dict(job), Topology(1, 1, 1))

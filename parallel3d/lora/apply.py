@@ -56,9 +56,10 @@ def lora_problems(cfg) -> list[str]:
     for t in lora.trainable:
         if t not in TRAINABLE:
             out.append(f"lora.trainable: unknown weight {t!r}{did_you_mean(t, TRAINABLE)}; one of {', '.join(TRAINABLE)}")
-    if cfg.checkpoint.export_peft and lora.trainable:
-        out.append(f"checkpoint.export_peft with lora.trainable {lora.trainable} would need PEFT's "
-                   "modules_to_save (not written): set lora.trainable=[] or drop checkpoint.export_peft")
+    both = sorted(set(lora.trainable) & set(lora.targets))
+    if cfg.checkpoint.export_peft and both:  # peft wraps a module either way, not both
+        out.append(f"checkpoint.export_peft: {', '.join(both)} both in lora.targets and in lora.trainable, which "
+                   "a PEFT folder cannot hold (an adapter or modules_to_save): drop them from one of the two")
     return out
 
 
@@ -108,6 +109,13 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
                         "the experts, which peft adapts by target_parameters): drop gate_proj, up_proj and "
                         "down_proj from lora.targets, or export the merged model with checkpoint.export_hf")
     trainable = set(lora.trainable)
+    if cfg.checkpoint.export_peft and _model_cfg(model).moe is not None and trainable & set(MLP_TARGETS):
+        raise UserError(f"checkpoint.export_peft with lora.trainable {sorted(trainable & set(MLP_TARGETS))} on a "
+                        "Mixture-of-Experts model is not written (transformers fuses the experts): drop them from "
+                        "lora.trainable, or export the merged model with checkpoint.export_hf")
+    if cfg.checkpoint.export_peft and _model_cfg(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
+        raise UserError("checkpoint.export_peft with a trained tied embedding is not written (peft's modules_to_save "
+                        "would hold two copies): export the merged model with checkpoint.export_hf")
     if _model_cfg(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
         trainable |= {"embed_tokens", "lm_head"}  # one tensor, whichever stage holds it
     for name, p in model.named_parameters():

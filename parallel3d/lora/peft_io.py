@@ -22,6 +22,19 @@ PREFIX = "base_model.model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 
 
+def modules_to_save(trainable) -> list[str] | None:
+    """``lora.trainable`` as PEFT's ``modules_to_save``, which wraps every module whose name
+    ends with a key: the final norm as ``model.norm`` (``norm`` would take every layer's
+    norms too); the others' names end no other module's."""
+    return sorted("model.norm" if t == "norm" else t for t in trainable) or None
+
+
+def peft_key(name: str) -> str:
+    """The adapter file's key of our parameter ``name``: PEFT's prefix on its Hugging Face
+    name (the head is no part of the HF ``model.``)."""
+    return "base_model.model." + name if name.startswith("lm_head.") else PREFIX + name
+
+
 def read_adapter_config(folder: str | Path) -> dict:
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
@@ -44,8 +57,10 @@ def check_adapter_config(hf: dict, lora, folder) -> None:
     for key, off in (("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False), ("bias", "none")):
         if hf.get(key, off) != off:
             problems.append(f"{key}={hf.get(key)} is not supported")
-    if hf.get("modules_to_save"):
-        problems.append(f"modules_to_save {hf['modules_to_save']} is not supported")
+    saved = hf.get("modules_to_save") or None
+    if (sorted(saved) if isinstance(saved, list) else saved) != modules_to_save(lora.trainable):
+        names = ["norm" if m == "model.norm" else m for m in saved or []]
+        problems.append(f"its modules_to_save are {saved}: set lora.trainable={names}")
     if problems:
         raise UserError(f"lora.adapter {folder}: " + "; ".join(problems))
 
@@ -62,10 +77,14 @@ def load_adapter_(model: torch.nn.Module, lora, only=None) -> None:
     path = folder / WEIGHTS_FILE
     if not path.is_file():
         raise UserError(f"lora.adapter {folder}: no {WEIGHTS_FILE} there (only safetensors adapters are read)")
+    keep = None if only is None else {id(p) for p in only}
+    saved = [(n, p) for n, p in model.named_parameters()  # lora.trainable: PEFT's modules_to_save
+             if p.requires_grad and not getattr(p, "p3d_lora", False) and (keep is None or id(p) in keep)]
+    vocab = _vocab(model)
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
-        for name, p in adapter_parameters(model, only):
-            key = PREFIX + name
+        for name, p in adapter_parameters(model, only) + saved:
+            key = peft_key(name)
             if key not in keys:
                 raise UserError(f"lora.adapter {folder}: {key} is missing; the adapter was made for other layers")
             block = f.get_slice(key)
@@ -73,12 +92,21 @@ def load_adapter_(model: torch.nn.Module, lora, only=None) -> None:
             want = list(p.shape)
             if dim is not None:
                 want[dim] = p.p3d_tp_full
+            if name.split(".")[0] in ("embed_tokens", "lm_head"):
+                want[0] = vocab  # the file's rows: the vocabulary without our padding to a multiple of tp
             if list(block.get_shape()) != want:
                 raise UserError(f"lora.adapter {folder}: {key} has shape {block.get_shape()}, "
-                                f"this model's adapter needs {want}")
+                                f"this model's needs {want}")
             if dim is None:
                 piece = block[:]
-            else:
-                start, stop = p.p3d_tp_range
+                p.narrow(0, 0, piece.shape[0]).copy_(piece.to(p.dtype))  # (rows past the vocabulary: padding)
+                continue
+            start, stop = p.p3d_tp_range
+            stop = min(stop, want[dim])  # (a vocabulary shard's padding rows stay as they are)
+            if stop > start:
                 piece = block[start:stop] if dim == 0 else block[:, start:stop]
-            p.copy_(piece.to(p.dtype))
+                p.narrow(dim, 0, stop - start).copy_(piece.to(p.dtype))
+
+
+def _vocab(model: torch.nn.Module) -> int:
+    return (model.cfg if hasattr(model, "cfg") else model.pipeline_chunks[0].cfg).vocab_size

@@ -26,13 +26,15 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.lora.adapters import adapter_parameters
-from parallel3d.lora.peft_io import CONFIG_FILE, PREFIX, WEIGHTS_FILE
+from parallel3d.lora.peft_io import CONFIG_FILE, WEIGHTS_FILE, modules_to_save, peft_key
 
 
 def _blocks(model: torch.nn.Module) -> list[tuple]:
-    """(name, split dim or None, (start, stop), full size, tensor on the CPU) per factor."""
+    """(name, split dim or None, (start, stop), full size, tensor on the CPU) per factor,
+    and per weight ``lora.trainable`` trains (PEFT's ``modules_to_save``)."""
     out = []
-    for name, p in adapter_parameters(model):
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not getattr(p, "p3d_lora", False)]
+    for name, p in adapter_parameters(model) + trained:
         dim = getattr(p, "p3d_tp_dim", None)
         out.append((name, dim, getattr(p, "p3d_tp_range", None), getattr(p, "p3d_tp_full", None),
                     p.detach().to("cpu", copy=True)))
@@ -61,8 +63,9 @@ def adapter_config(lora, base_model: str = "") -> dict:
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": sorted(lora.targets), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-            "modules_to_save": None, "base_model_name_or_path": base_model or None,
+            "modules_to_save": modules_to_save(lora.trainable), "base_model_name_or_path": base_model or None,
             "inference_mode": True}
+
 
 
 def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimizer=None,
@@ -70,10 +73,8 @@ def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimize
     """Write ``model``'s adapters as a PEFT folder at ``folder`` (rank 0 writes; every
     rank calls). ``optimizer``: waited for (``wait_for_params``) first, so a ZeRO step's
     all-gather of the updated adapters has landed. Returns the folder on rank 0.
-    ``lora.trainable`` weights are not exported (PEFT's ``modules_to_save``): refused."""
-    if lora.trainable:
-        raise ValueError(f"export_peft: lora.trainable {lora.trainable} would need PEFT's "
-                         "modules_to_save, not written yet; export with lora.trainable=[]")
+    ``lora.trainable`` weights go in whole, as PEFT saves its ``modules_to_save`` (the
+    vocabulary's padding dropped)."""
     if optimizer is not None and hasattr(optimizer, "wait_for_params"):
         optimizer.wait_for_params()
     mine = _blocks(model) if topo.dp_cp_rank == 0 else []
@@ -87,9 +88,13 @@ def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimize
     from safetensors.torch import save_file
 
     full = assemble([b for blocks in every for b in blocks])
+    vocab = (model.cfg if hasattr(model, "cfg") else model.pipeline_chunks[0].cfg).vocab_size
+    for name in ("embed_tokens.weight", "lm_head.weight"):  # rows padded to a multiple of tp
+        if name in full:
+            full[name] = full[name][:vocab]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({PREFIX + name: t.contiguous() for name, t in sorted(full.items())}, str(folder / WEIGHTS_FILE),
+    save_file({peft_key(name): t.contiguous() for name, t in sorted(full.items())}, str(folder / WEIGHTS_FILE),
               metadata={"format": "pt"})
     (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base_model), indent=2))
     if base_model and Path(base_model).is_dir():  # the base's tokenizer goes along, as PEFT saves it
