@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from parallel3d.config import config_from_dict
+from parallel3d.errors import UserError
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
@@ -287,7 +288,15 @@ def _gather_trace(job: dict) -> dict:
     sharded.trace = []
     trainer.train_step()
     trainer.close()
-    return {"trace": sharded.trace, "n_buckets": len(sharded.full),
+    try:  # the weights read whole while sharded: refused in a line (a read would crash)
+        trainer.model.state_dict()
+        refused = ""
+    except UserError as e:
+        refused = str(e)
+    trainer.finish_param_gather()
+    whole = sum(t.numel() for t in trainer.model.state_dict().values())
+    return {"trace": sharded.trace, "n_buckets": len(sharded.full), "refused": refused, "whole": whole,
+            "numel": sum(p.numel() for p in trainer.model.parameters()),
             "micro_batches": cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)}
 
 
@@ -306,3 +315,6 @@ def test_zero3_gathers_each_bucket_before_its_use_and_prefetches_the_next(pools,
             assert trace.index(("gather", b - 1)) < trace.index(("wait", b)), b  # prefetched
         for b in range(n):
             assert trace.count(("gather", b)) >= 2 * m and trace.count(("free", b)) >= 2 * m, b
+        # after the run the weights are sharded: state_dict() says so, and works once gathered
+        assert "parallel.zero=3 with" in got["refused"] and "finish_param_gather()" in got["refused"], got["refused"]
+        assert got["whole"] >= got["numel"]

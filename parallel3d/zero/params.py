@@ -45,6 +45,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from parallel3d.distributed import all_gather_flat
+from parallel3d.errors import UserError
 
 from .buckets import BucketLayout
 
@@ -256,6 +257,16 @@ class ShardedParams:
             frees = [b for b in buckets if last_user[b] == k]
             self._handles.append(module.register_forward_pre_hook(partial(self._pre_forward, buckets)))
             self._handles.append(module.register_forward_hook(partial(self._post_forward, (k, buckets), frees)))
+        self._handles.append(model.register_state_dict_pre_hook(self._refuse_a_sharded_read))
+
+    def _refuse_a_sharded_read(self, module, prefix, keep_vars) -> None:
+        """``model.state_dict()`` with a bucket freed would hand out tensors over 0 bytes of
+        storage, whose first read crashes the process: a clear error instead."""
+        freed = self.gathered.count(False)
+        if freed:
+            raise UserError(f"state_dict() at parallel.zero=3 with {freed} of {len(self.gathered)} parameter buckets "
+                            "sharded (this rank holds 1/dp of them): gather them first with "
+                            "trainer.finish_param_gather() (LoRA's frozen base: optimizer.frozen.gather_all())")
 
     def release(self) -> None:
         for handle in self._handles:
