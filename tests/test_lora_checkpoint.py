@@ -146,14 +146,16 @@ def test_lora_on_the_seeded_base_resumes_from_a_checkpoint_holding_the_base(corp
     assert again["resumed"] and first + again["losses"] == straight
 
 
-def test_trainable_weights_export_as_peft_modules_to_save(pools, corpus_dir, tmp_path):
+@pytest.mark.parametrize("parallel", [{"tp": 2}, {"dp": 2, "zero": 3}], ids=["tp2", "dp2-zero3"])
+def test_trainable_weights_export_as_peft_modules_to_save(pools, corpus_dir, tmp_path, parallel):
     """``lora.trainable`` (the final norm, every layer's input norm, the head) with
-    ``checkpoint.export_peft`` at tp 2: the folder lists them as PEFT's modules_to_save
-    (the final norm as ``model.norm``, so peft wraps that one norm and not the layers'),
-    holds them whole (the head's two vocabulary shards joined), and peft loads it onto the
-    base with the run's logits (fp32, 1e-5); without the trained weights the logits move."""
+    ``checkpoint.export_peft`` at tp 2 and at dp 2 with ZeRO 3: the folder lists them as
+    PEFT's modules_to_save (the final norm as ``model.norm``, so peft wraps that one norm
+    and not the layers'), holds them whole (the head's two vocabulary shards joined, or its
+    ZeRO 3 shards gathered), and peft loads it onto the base with the run's logits (fp32,
+    1e-5); without the trained weights the logits move."""
     hf_dir = make_hf_model("llama", tmp_path / "hf")
-    job = _job(corpus_dir, tmp_path / "tp2", hf_dir, tp=2)
+    job = _job(corpus_dir, tmp_path / "tp2", hf_dir, **parallel)
     job["train"]["steps"] = 4
     job["lora"].update(targets=["q_proj", "v_proj"], trainable=["norm", "input_layernorm", "lm_head"])
     job["checkpoint"].update(export_peft="adapter")

@@ -175,3 +175,16 @@ def adapter_parameters(model: nn.Module, only=None) -> list[tuple[str, nn.Parame
     keep = None if only is None else {id(p) for p in only}
     return [(n, p) for n, p in model.named_parameters()
             if getattr(p, "p3d_lora", False) and (keep is None or id(p) in keep)]
+
+
+def trained_whole(model: nn.Module, only=None) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every weight ``model`` trains whole, not through adapters
+    (``lora.trainable``: PEFT's ``modules_to_save``), those in ``only`` when given."""
+    keep = None if only is None else {id(p) for p in only}
+    return [(n, p) for n, p in model.named_parameters()
+            if p.requires_grad and not getattr(p, "p3d_lora", False) and (keep is None or id(p) in keep)]
+
+
+def model_config(model: nn.Module):
+    """The model's config, whether ``model`` is the model or a rank's pipeline chunks."""
+    return model.cfg if hasattr(model, "cfg") else model.pipeline_chunks[0].cfg

@@ -21,7 +21,7 @@ import torch
 from parallel3d.errors import UserError, did_you_mean
 from parallel3d.tensor_parallel.init import counter_normal_
 
-from .adapters import adapter_parameters, attach
+from .adapters import adapter_parameters, attach, model_config
 from .dropout import dropout_salt
 from .experts import attach_experts
 from .peft_io import load_adapter_
@@ -63,10 +63,6 @@ def lora_problems(cfg) -> list[str]:
     return out
 
 
-def _model_cfg(model):
-    return model.cfg if hasattr(model, "cfg") else model.pipeline_chunks[0].cfg
-
-
 def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
     """Attach adapters to the ``cfg.lora.targets`` projections of every decoder layer
     ``model`` (a Llama or a PipelineStage, after parallelize, usually on meta) holds and
@@ -78,7 +74,7 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
         raise UserError("; ".join(problems))
     if lora.rank == 0:
         return model
-    if lora.dropout > 0 and _model_cfg(model).moe is not None and set(lora.targets) & set(MLP_TARGETS):
+    if lora.dropout > 0 and model_config(model).moe is not None and set(lora.targets) & set(MLP_TARGETS):
         # an expert's tokens arrive permuted by the dispatch, without their stream keys
         raise UserError(f"lora.dropout {lora.dropout} on a Mixture-of-Experts model's MLP projections is not "
                         "implemented: set lora.dropout=0, or keep lora.targets to the attention projections")
@@ -109,14 +105,14 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
                         "the experts, which peft adapts by target_parameters): drop gate_proj, up_proj and "
                         "down_proj from lora.targets, or export the merged model with checkpoint.export_hf")
     trainable = set(lora.trainable)
-    if cfg.checkpoint.export_peft and _model_cfg(model).moe is not None and trainable & set(MLP_TARGETS):
+    if cfg.checkpoint.export_peft and model_config(model).moe is not None and trainable & set(MLP_TARGETS):
         raise UserError(f"checkpoint.export_peft with lora.trainable {sorted(trainable & set(MLP_TARGETS))} on a "
                         "Mixture-of-Experts model is not written (transformers fuses the experts): drop them from "
                         "lora.trainable, or export the merged model with checkpoint.export_hf")
-    if cfg.checkpoint.export_peft and _model_cfg(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
+    if cfg.checkpoint.export_peft and model_config(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
         raise UserError("checkpoint.export_peft with a trained tied embedding is not written (peft's modules_to_save "
                         "would hold two copies): export the merged model with checkpoint.export_hf")
-    if _model_cfg(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
+    if model_config(model).tie_embeddings and trainable & {"embed_tokens", "lm_head"}:
         trainable |= {"embed_tokens", "lm_head"}  # one tensor, whichever stage holds it
     for name, p in model.named_parameters():
         p.requires_grad_(bool(getattr(p, "p3d_lora", False)) or bool(trainable & set(name.split("."))))

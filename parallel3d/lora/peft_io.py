@@ -16,10 +16,11 @@ import torch
 
 from parallel3d.errors import UserError
 
-from .adapters import adapter_parameters
+from .adapters import adapter_parameters, model_config, trained_whole
 
 PREFIX = "base_model.model.model."
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")  # rows: our vocabulary padded to a multiple of tp
 
 
 def modules_to_save(trainable) -> list[str] | None:
@@ -77,13 +78,10 @@ def load_adapter_(model: torch.nn.Module, lora, only=None) -> None:
     path = folder / WEIGHTS_FILE
     if not path.is_file():
         raise UserError(f"lora.adapter {folder}: no {WEIGHTS_FILE} there (only safetensors adapters are read)")
-    keep = None if only is None else {id(p) for p in only}
-    saved = [(n, p) for n, p in model.named_parameters()  # lora.trainable: PEFT's modules_to_save
-             if p.requires_grad and not getattr(p, "p3d_lora", False) and (keep is None or id(p) in keep)]
-    vocab = _vocab(model)
+    vocab = model_config(model).vocab_size
     with safe_open(str(path), framework="pt") as f:
         keys = set(f.keys())
-        for name, p in adapter_parameters(model, only) + saved:
+        for name, p in adapter_parameters(model, only) + trained_whole(model, only):  # + modules_to_save
             key = peft_key(name)
             if key not in keys:
                 raise UserError(f"lora.adapter {folder}: {key} is missing; the adapter was made for other layers")
@@ -92,8 +90,8 @@ def load_adapter_(model: torch.nn.Module, lora, only=None) -> None:
             want = list(p.shape)
             if dim is not None:
                 want[dim] = p.p3d_tp_full
-            if name.split(".")[0] in ("embed_tokens", "lm_head"):
-                want[0] = vocab  # the file's rows: the vocabulary without our padding to a multiple of tp
+            if name in VOCAB_ROWS:
+                want[0] = vocab  # the file's rows: the vocabulary without our padding
             if list(block.get_shape()) != want:
                 raise UserError(f"lora.adapter {folder}: {key} has shape {block.get_shape()}, "
                                 f"this model's needs {want}")
@@ -106,7 +104,3 @@ def load_adapter_(model: torch.nn.Module, lora, only=None) -> None:
             if stop > start:
                 piece = block[start:stop] if dim == 0 else block[:, start:stop]
                 p.narrow(dim, 0, stop - start).copy_(piece.to(p.dtype))
-
-
-def _vocab(model: torch.nn.Module) -> int:
-    return (model.cfg if hasattr(model, "cfg") else model.pipeline_chunks[0].cfg).vocab_size

@@ -84,19 +84,17 @@ def build_optimizer(params, train_cfg: TrainConfig, parallel_cfg, topo: Topology
             return None
         return FrozenShards(model, replicas, device, dtype or torch.float32, parallel_cfg.bucket_mb, select)
 
-    if topo.ep > 1 and any(is_expert(p) and p.requires_grad for p in params):
-        # experts live on edp x cp replicas, the rest on dp x cp: one optimizer each (and
-        # at ZeRO 3 the frozen weights likewise, beside their part)
+    if topo.ep > 1:
+        # experts live on edp x cp replicas, the rest on dp x cp (and at ZeRO 3 their frozen
+        # weights likewise): one optimizer each when experts train, else one optimizer with
+        # both frozen holders beside it (LoRA on the attention only)
         frozen = (frozen_shards(topo.replicas(), lambda p: not is_expert(p)),
                   frozen_shards(topo.expert_replicas(), is_expert))
-        opt = SplitOptimizer(params, train_cfg, topo, **kwargs)
-        opt.dense.frozen, opt.experts.frozen = frozen
-        return opt
-    if topo.ep > 1:  # no expert weight trains (LoRA on the attention): one optimizer; at ZeRO 3
-        # the frozen experts still shard over their own replicas, beside the rest's shards
-        groups = [f for f in (frozen_shards(topo.replicas(), lambda p: not is_expert(p)),
-                              frozen_shards(topo.expert_replicas(), is_expert)) if f is not None]
-        frozen = FrozenGroups(groups) if len(groups) > 1 else (groups[0] if groups else None)
+        if any(is_expert(p) and p.requires_grad for p in params):
+            opt = SplitOptimizer(params, train_cfg, topo, **kwargs)
+            opt.dense.frozen, opt.experts.frozen = frozen
+            return opt
+        frozen = FrozenGroups.of(frozen)
     else:
         frozen = frozen_shards(topo.replicas())
     opt = ZeroOptimizer(params, train_cfg, topo, **kwargs)

@@ -89,6 +89,13 @@ class FrozenGroups:
     def __init__(self, members: list[FrozenShards]):
         self.members = members
 
+    @staticmethod
+    def of(holders):
+        """The holders that exist (None where a part has no frozen weight) as one: None,
+        the one holder, or a group."""
+        members = [h for h in holders if h is not None]
+        return FrozenGroups(members) if len(members) > 1 else (members[0] if members else None)
+
     def fill_params(self, fill) -> None:
         for m in self.members:
             m.fill_params(fill)
@@ -107,4 +114,3 @@ class FrozenGroups:
 
     def memory_tensors(self) -> list[torch.Tensor]:
         return [t for m in self.members for t in m.memory_tensors()]
-

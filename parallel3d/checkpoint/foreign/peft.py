@@ -25,16 +25,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel3d.lora.adapters import adapter_parameters
-from parallel3d.lora.peft_io import CONFIG_FILE, WEIGHTS_FILE, modules_to_save, peft_key
+from parallel3d.lora.adapters import adapter_parameters, model_config, trained_whole
+from parallel3d.lora.peft_io import CONFIG_FILE, VOCAB_ROWS, WEIGHTS_FILE, modules_to_save, peft_key
 
 
 def _blocks(model: torch.nn.Module) -> list[tuple]:
     """(name, split dim or None, (start, stop), full size, tensor on the CPU) per factor,
     and per weight ``lora.trainable`` trains (PEFT's ``modules_to_save``)."""
     out = []
-    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad and not getattr(p, "p3d_lora", False)]
-    for name, p in adapter_parameters(model) + trained:
+    for name, p in adapter_parameters(model) + trained_whole(model):
         dim = getattr(p, "p3d_tp_dim", None)
         out.append((name, dim, getattr(p, "p3d_tp_range", None), getattr(p, "p3d_tp_full", None),
                     p.detach().to("cpu", copy=True)))
@@ -67,7 +66,6 @@ def adapter_config(lora, base_model: str = "") -> dict:
             "inference_mode": True}
 
 
-
 def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimizer=None,
                 base_model: str = "") -> Path | None:
     """Write ``model``'s adapters as a PEFT folder at ``folder`` (rank 0 writes; every
@@ -88,8 +86,8 @@ def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimize
     from safetensors.torch import save_file
 
     full = assemble([b for blocks in every for b in blocks])
-    vocab = (model.cfg if hasattr(model, "cfg") else model.pipeline_chunks[0].cfg).vocab_size
-    for name in ("embed_tokens.weight", "lm_head.weight"):  # rows padded to a multiple of tp
+    vocab = model_config(model).vocab_size
+    for name in VOCAB_ROWS:  # our padding's rows dropped
         if name in full:
             full[name] = full[name][:vocab]
     folder = Path(folder)
