@@ -296,14 +296,44 @@ def test_an_adapter_of_another_rank_says_what_to_change(tmp_path):
                              job.lora, tmp_path)
 
 
-def _train_and_export(job: dict, folder: str) -> list[float]:
+def _train_and_export(job: dict, folder: str, spy: bool = False):
+    """The run's losses; with ``spy``, also what the export moved: ``(losses, {"sent": [bytes
+    of each object this rank sent], "received": [...], "gathered": [world x the largest
+    object, per gather_object]})``."""
+    import pickle
+
+    import torch.distributed as dist
+
     from parallel3d.checkpoint.foreign.peft import export_peft
 
     cfg = config_from_dict(job)
     trainer = Trainer(cfg, Topology.of(cfg.parallel))
     losses = [h["loss"] for h in trainer.fit()]
-    export_peft(trainer.model, cfg.lora, folder, trainer.topo, optimizer=trainer.optimizer)
-    return losses
+    moved = {"sent": [], "received": [], "gathered": []}
+    real = dist.send_object_list, dist.recv_object_list, dist.gather_object
+
+    def send(objs, *a, **k):
+        moved["sent"].append(len(pickle.dumps(objs[0])))
+        return real[0](objs, *a, **k)
+
+    def recv(objs, *a, **k):
+        out = real[1](objs, *a, **k)
+        moved["received"].append(len(pickle.dumps(objs[0])))
+        return out
+
+    def gather(obj, *a, **k):
+        sizes = [None] * dist.get_world_size()
+        dist.all_gather_object(sizes, len(pickle.dumps(obj)))
+        moved["gathered"].append(len(sizes) * max(sizes))  # what torch allocates on the receiver
+        return real[2](obj, *a, **k)
+
+    if spy:
+        dist.send_object_list, dist.recv_object_list, dist.gather_object = send, recv, gather
+    try:
+        export_peft(trainer.model, cfg.lora, folder, trainer.topo, optimizer=trainer.optimizer)
+    finally:
+        dist.send_object_list, dist.recv_object_list, dist.gather_object = real
+    return (losses, moved) if spy else losses
 
 
 def _hf_base(job: dict):
@@ -350,7 +380,10 @@ def test_exported_adapter_gives_the_trained_logits_in_peft(corpus_dir, tmp_path)
 def test_export_gathers_every_rank_at_2x2x2(pools, corpus_dir, tmp_path):
     """tp 2 x pp 2 x dp 2 (ZeRO 2, zb-h1): rank 0 assembles every stage's and tp rank's
     blocks; the folder holds the one-process run's adapters (per tensor within
-    WEIGHT_RTOL: AdamW's amplification of ulp-level gradient differences) and its losses."""
+    WEIGHT_RTOL: AdamW's amplification of ulp-level gradient differences) and its losses.
+    The blocks travel one sender at a time: the 3 ranks of dp rank 0 other than rank 0
+    send one object each, rank 0 receives those 3 and nothing else of that size (a
+    gather_object would have sized its buffer 8 x the largest sender's)."""
     from safetensors.torch import load_file
 
     from helpers import WEIGHT_RTOL
@@ -358,8 +391,14 @@ def test_export_gathers_every_rank_at_2x2x2(pools, corpus_dir, tmp_path):
     par = {"tp": 2, "pp": 2, "dp": 2, "zero": 2, "schedule": "zb-h1"}
     one = _train_and_export(_job(corpus_dir, str(tmp_path / "one")), str(tmp_path / "one_adapter"))
     ranks = pools(8).run(_train_and_export, _job(corpus_dir, str(tmp_path / "many"), **par),
-                         str(tmp_path / "many_adapter"))
-    assert relative_diff(ranks[0], one) < 1e-5
+                         str(tmp_path / "many_adapter"), spy=True)
+    assert relative_diff(ranks[0][0], one) < 1e-5
+    moved = [m for _, m in ranks]
+    senders = [r for r in range(1, 8) if moved[r]["sent"]]
+    assert len(senders) == 3 and all(len(moved[r]["sent"]) == 1 for r in senders)
+    assert sorted(moved[0]["received"]) == sorted(moved[r]["sent"][0] for r in senders)
+    # the one gather is of a flag a rank, far below one sender's blocks
+    assert all(g < min(moved[0]["received"]) / 100 for m in moved for g in m["gathered"])
     want = load_file(str(tmp_path / "one_adapter" / "adapter_model.safetensors"))
     got = load_file(str(tmp_path / "many_adapter" / "adapter_model.safetensors"))
     assert sorted(got) == sorted(want) and len(got) == 2 * len(TARGETS) * LAYERS

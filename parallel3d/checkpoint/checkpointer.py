@@ -343,8 +343,9 @@ class Checkpointer:
         if self.cfg.export_peft:  # collective; the adapters only, gathered to rank 0
             from .foreign.peft import export_peft
 
+            self.writer.wait()  # a background save's collectives are on self.group too
             export_peft(trainer.model, self.job.lora, Path(self.job.run.dir) / self.cfg.export_peft, self.topo,
-                        optimizer=trainer.optimizer, base_model=self.job.model.hf_checkpoint)
+                        optimizer=trainer.optimizer, base_model=self.job.model.hf_checkpoint, group=self.group)
         if self.export_dir is not None and self._last_saved != trainer.step:
             self.save(trainer)
         self.writer.wait()

@@ -8,8 +8,13 @@ Hugging Face base.
 Collective over the world. The ranks of the first data-parallel replica (dp x cp rank 0)
 send their adapter factors, each with its tensor-parallel split (``p3d_tp_dim``,
 ``p3d_tp_range``), to rank 0, which places every block at its range in the full tensor
-and writes the folder; pipeline stages send their own layers. Adapters are small (r x
-(in + out) per projection), so they travel as objects, gathered whole on rank 0.
+and writes the folder; pipeline stages send their own layers. They travel as host
+objects on a gloo group (the checkpointer's, or one made for the call under NCCL), one
+sender at a time: rank 0 holds the assembled tensors and one sender's blocks, never a
+buffer of world size x the largest sender's bytes, which ``gather_object`` allocates
+(on the GPU under NCCL). That matters with ``lora.trainable``: a 70B model's head is
+4 GiB in fp32, its last stage's tp ranks send 1/tp of it each, and at 512 ranks a
+gather would have asked rank 0 for 512 of those.
 
 :class:`LoraExportView` serves a LoRA run's checkpoint to the Hugging Face writers: as its
 base model (the adapters left out) or merged (``W + s B A``, PEFT's ``merge_and_unload``),
@@ -40,10 +45,11 @@ def _blocks(model: torch.nn.Module) -> list[tuple]:
     return out
 
 
-def assemble(blocks: list[tuple]) -> dict[str, torch.Tensor]:
-    """Full tensors from the blocks of every rank (a replicated factor, or a shard held by
-    several ranks, appears more than once: the copies are equal, the first is kept)."""
-    full: dict[str, torch.Tensor] = {}
+def assemble(blocks: list[tuple], full: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Full tensors from the blocks of every rank, placed into ``full`` (a new dict when
+    None) and returned (a replicated factor, or a shard held by several ranks, appears
+    more than once: the copies are equal, the first is kept)."""
+    full = {} if full is None else full
     for name, dim, rows, size, t in blocks:
         if dim is None:
             full.setdefault(name, t)
@@ -66,26 +72,44 @@ def adapter_config(lora, base_model: str = "") -> dict:
             "inference_mode": True}
 
 
+def _collect(mine: list[tuple], topo, group) -> dict[str, torch.Tensor] | None:
+    """Rank 0: the full tensors of every sender's blocks, received one sender at a time
+    on ``group`` (a gloo group over the world); the other ranks send theirs, if any, and
+    get None."""
+    if not (dist.is_initialized() and topo.world_size > 1):
+        return assemble(mine)
+    sends = [None] * topo.world_size if topo.rank == 0 else None
+    dist.gather_object(bool(mine), sends, dst=0, group=group)  # one flag a rank
+    if topo.rank != 0:
+        if mine:
+            dist.send_object_list([mine], dst=0, group=group)
+        return None
+    full = assemble(mine)
+    for src in (r for r in range(1, topo.world_size) if sends[r]):
+        box = [None]
+        dist.recv_object_list(box, src=src, group=group)
+        assemble(box[0], full)
+    return full
+
+
 def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimizer=None,
-                base_model: str = "") -> Path | None:
+                base_model: str = "", group=None) -> Path | None:
     """Write ``model``'s adapters as a PEFT folder at ``folder`` (rank 0 writes; every
     rank calls). ``optimizer``: waited for (``wait_for_params``) first, so a ZeRO step's
     all-gather of the updated adapters has landed. Returns the folder on rank 0.
     ``lora.trainable`` weights go in whole, as PEFT saves its ``modules_to_save`` (the
-    vocabulary's padding dropped)."""
+    vocabulary's padding dropped). ``group``: a gloo group over the world to send them
+    on (None: the default group on gloo, a new gloo group otherwise)."""
     if optimizer is not None and hasattr(optimizer, "wait_for_params"):
         optimizer.wait_for_params()
     mine = _blocks(model) if topo.dp_cp_rank == 0 else []
-    if dist.is_initialized() and topo.world_size > 1:
-        every = [None] * topo.world_size if topo.rank == 0 else None
-        dist.gather_object(mine, every, dst=0)
-    else:
-        every = [mine]
+    if group is None and dist.is_initialized() and topo.world_size > 1 and dist.get_backend() != "gloo":
+        group = dist.new_group(backend="gloo")  # host objects; collective: every rank is here
+    full = _collect(mine, topo, group)
     if topo.rank != 0:
         return None
     from safetensors.torch import save_file
 
-    full = assemble([b for blocks in every for b in blocks])
     vocab = model_config(model).vocab_size
     for name in VOCAB_ROWS:  # our padding's rows dropped
         if name in full:
