@@ -199,7 +199,7 @@ def test_the_default_recipe_says_the_split_it_runs():
 
 def test_the_128k_recipe_dry_runs_with_context_parallelism_and_fits_an_h100():
     """recipes/llama3_8b_128k.toml (the planner's choice for 8B at 128K tokens on 64 H100s,
-    tests/test_planner.py checks it is): the CLI's dry run names cp in the layout, gives
+    tests/test_planner_cp.py checks it is): the CLI's dry run names cp in the layout, gives
     each cp rank its share of a sequence, and the stage fits an H100 80GB."""
     recipe = RECIPES[[p.stem for p in RECIPES].index("llama3_8b_128k")]
     proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(recipe), "--dry-run",

@@ -60,7 +60,7 @@ attention keeps changes with the comm mode (:func:`cp_attention_extra`): the all
 mode's SDPA keeps the whole sequence's K and V (its inputs) in place of the local k and
 v, the ring keeps its output beside the o projection's input. Each layer's comm buffers
 (:func:`cp_transient_bytes`) live while it runs. Measured on CPU in
-``tests/test_planner.py`` (the ring: the bytes autograd saves at cp 2 against cp 1). The
+``tests/test_planner_cp.py`` (the ring: the bytes autograd saves at cp 2 against cp 1). The
 GPU path this assumes is a flash-style kernel (activations linear in tokens): SDPA with
 the all-gather mode's (S_l, S) mask under grouped-query attention runs torch's math
 kernel, which keeps the (B, H, S_l, S) probabilities, and the ring's blocks off CPU run
