@@ -365,28 +365,3 @@ def test_bad_gpu_spec_is_one_line(spec, message, capsys):
     assert main(["plan", "--model", "8b", "--gpus", "8", "--gpu-spec", spec]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
-
-
-@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)])
-def test_the_peak_from_the_undominated_moments_equals_the_walk_over_all(schedule, v, monkeypatch):
-    """stage_memory evaluates only the moments no other of their kind dominates
-    (moments.peak_moments): the same peak, and the same bytes at the backward's peak, as
-    every moment of the plan's walk, at every rank, with recomputation and on the CPU
-    runtime too. (Where moments tie, e.g. a gradient transient larger than any moment's
-    activations, the split into activations and buffers may name another of the tied.)"""
-    import parallel3d.planner.memory as memory_module
-
-    def every_moment(layout, m, r):
-        return [(a, al, w, wl, last) for a, al, w, wl, _, last in backward_moments(layout, m, r)]
-
-    model = replace(SMALL, n_layers=8)
-    for recompute in ("none", "full"):
-        work = Workload(model, 64, 32, "bf16")
-        layout = Layout(pp=4, dp=2, micro_batch=2, schedule=schedule, virtual_stages=v, zero=1, recompute=recompute)
-        pruned = [stage_memory(work, layout, r, gloo=True) for r in range(4)]
-        monkeypatch.setattr(memory_module, "peak_moments", every_moment)
-        walked = [stage_memory(work, layout, r, gloo=True) for r in range(4)]
-        monkeypatch.undo()
-        for a, b in zip(pruned, walked):
-            assert a.peak == b.peak and a.backward_peak == b.backward_peak
-            assert a.activations + a.backward_transient == b.activations + b.backward_transient

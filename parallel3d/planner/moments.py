@@ -58,8 +58,15 @@ def peak_moments(layout: Layout, n_micro: int, pp_rank: int) -> list[tuple[int, 
     bytes of a moment grow with each class, ``memory.stage_memory``). The search asks this
     for every layout it evaluates; the walk gives dozens of moments a rank, this a few.
     The peak is the walk's; where moments tie, its split into activations and buffers may
-    be another tied moment's."""
+    be another tied moment's.
+
+    From 2 pp micro-batches on, more of them only repeat a schedule's steady state: the
+    undominated moments are those at 2 pp (``tests/test_planner_moments.py`` checks it against the
+    whole walk), so the walk stops there. Not for gpipe, whose every forward runs first:
+    its count grows with the micro-batches."""
     schedule = layout.schedule if layout.pp > 1 else "1f1b"
+    if schedule != "gpipe":
+        n_micro = min(n_micro, 2 * layout.pp)
     return _peak_moments(schedule, layout.pp, layout.virtual_stages, n_micro, pp_rank)
 
 
