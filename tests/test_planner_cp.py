@@ -10,14 +10,14 @@ import torch
 
 from parallel3d.cli import main
 from parallel3d.config import load_config
-from parallel3d.models.llama import PRESETS, Llama, LlamaConfig
+from parallel3d.models.llama import PRESETS, Llama
 from parallel3d.planner.calibrate import default_efficiency
 from parallel3d.planner.hardware import gpu_named
 from parallel3d.planner.memory import cp_transient_bytes, stage_memory
 from parallel3d.planner.spec import Layout, Workload
 from parallel3d.planner.timing import step_time
 
-SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160)
+from test_planner import SMALL
 
 
 def _saved_activation_bytes(cp: int, B: int = 2, S: int = 256) -> int:

@@ -8,12 +8,11 @@ from dataclasses import replace
 
 import pytest
 
-from parallel3d.models.llama import LlamaConfig
 from parallel3d.planner.memory import backward_moments, stage_memory
 from parallel3d.planner.moments import _peak_moments, peak_moments
 from parallel3d.planner.spec import Layout, Workload
 
-SMALL = LlamaConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=160)
+from test_planner import SMALL
 
 
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 2)])
