@@ -8,6 +8,8 @@ zb-h1) against one process; the parameter bytes a rank holds during a step again
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -293,9 +295,19 @@ def _gather_trace(job: dict) -> dict:
         refused = ""
     except UserError as e:
         refused = str(e)
+    # one parameter read while sharded: refused in a line, its metadata still there
+    name, p = next(iter(trainer.model.named_parameters()))
+    meta = [tuple(p.shape), p.numel(), str(p.dtype), p.requires_grad, p.untyped_storage().nbytes()]
+    try:
+        read = f"read {float(p.sum())}"
+    except UserError as e:
+        read = str(e)
     trainer.finish_param_gather()
-    whole = sum(t.numel() for t in trainer.model.state_dict().values())
+    state = trainer.model.state_dict()
+    whole = sum(t.numel() for t in state.values())
+    read_after = [type(p) is torch.nn.Parameter, torch.equal(p.detach(), state[name])]
     return {"trace": sharded.trace, "n_buckets": len(sharded.full), "refused": refused, "whole": whole,
+            "read": read, "meta": meta, "read_after": read_after, "shape": list(state[name].shape),
             "numel": sum(p.numel() for p in trainer.model.parameters()),
             "micro_batches": cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)}
 
@@ -318,3 +330,10 @@ def test_zero3_gathers_each_bucket_before_its_use_and_prefetches_the_next(pools,
         # after the run the weights are sharded: state_dict() says so, and works once gathered
         assert "parallel.zero=3 with" in got["refused"] and "finish_param_gather()" in got["refused"], got["refused"]
         assert got["whole"] >= got["numel"]
+        # a parameter read while sharded (a kernel over its 0 bytes would crash the
+        # process) is refused in a line; its shape and size stay readable
+        assert "while parallel.zero=3 holds it sharded" in got["read"], got["read"]
+        assert "finish_param_gather()" in got["read"] and "\n" not in got["read"]
+        assert got["meta"][:4] == [tuple(got["shape"]), math.prod(got["shape"]), "torch.float32", True]
+        assert got["meta"][4] == 0  # its storage freed, not shadowed by a copy
+        assert got["read_after"] == [True, True]  # gathered: a plain parameter again

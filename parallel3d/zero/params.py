@@ -34,6 +34,14 @@ Each use gathers what it reads, so a bucket a forward freed early is only gather
 has 0 bytes: autograd raises), it is never read stale. :meth:`gather_all` holds every bucket gathered until
 :meth:`free_all` (whatever reads the parameters outside a forward: a checkpoint, an
 export; the optimizer frees them when the update changes the shards).
+
+A parameter whose bucket is freed is a tensor over 0 bytes of storage: any kernel that read
+it would read freed memory and crash the process (a segfault, no traceback). So while
+freed, each parameter's class is a subclass of its own (:func:`_sharded_class`) whose
+``__torch_function__`` lets metadata through (shape, dtype, device, ``.grad``, hooks, the
+storage's size) and refuses anything else in one line naming the way to gather; gathering
+restores the plain class, so the forward and backward pay nothing (autograd's own reads
+are C++ and never see the subclass).
 """
 
 from __future__ import annotations
@@ -48,6 +56,40 @@ from parallel3d.distributed import all_gather_flat
 from parallel3d.errors import UserError
 
 from .buckets import BucketLayout
+
+
+# Tensor methods and properties that read no element: a freed parameter allows them.
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+             torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
+             torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.data_ptr,
+             torch.Tensor.untyped_storage, torch.Tensor.register_hook,
+             torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.requires_grad_,
+             torch.Tensor.__hash__}
+_METADATA |= {getattr(torch.Tensor, name).__get__ for name in (
+    "shape", "ndim", "dtype", "device", "layout", "grad", "requires_grad", "is_leaf", "grad_fn",
+    "is_meta", "is_cuda", "is_cpu", "nbytes", "itemsize", "_version")}
+_METADATA |= {torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__, torch.Tensor.requires_grad.__set__}
+_SHARDED_CLASSES: dict[type, type] = {}
+
+
+def _refuse_read(cls, func, types, args=(), kwargs=None):
+    if func in _METADATA:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    shape = next((tuple(a.shape) for a in tree_leaves((args, kwargs)) if isinstance(a, cls)), "?")
+    name = getattr(func, "__name__", str(func))
+    raise UserError(f"a parameter of shape {shape} was read ({name}) while parallel.zero=3 holds it sharded "
+                    "(this rank keeps 1/dp of it between uses): gather the weights first with "
+                    "trainer.finish_param_gather() (LoRA's frozen base: optimizer.frozen.gather_all())")
+
+
+def _sharded_class(cls: type) -> type:
+    """``cls`` (a parameter's class) refusing every read of its elements: the class a
+    parameter takes while its bucket is freed (see the module docstring)."""
+    if cls not in _SHARDED_CLASSES:
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {
+            "__torch_function__": classmethod(_refuse_read), "_p3d_plain_class": cls})
+    return _SHARDED_CLASSES[cls]
 
 
 def _output_tensors(output) -> list[torch.Tensor]:
@@ -121,6 +163,8 @@ class ShardedParams:
         self.trace: list | None = None
         self.on_change = None
         self.filled = False  # the shards hold the start values (fill_by_bucket)
+        self._params: list | None = None  # the parameters (hook): their class follows the storage
+        self._bucket_params: list[list[int]] = []
 
     def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
         """Parameter i's view of its bucket's full storage (made while that storage is
@@ -143,6 +187,7 @@ class ShardedParams:
 
     def _allocate(self, b: int) -> None:
         self.full[b].untyped_storage().resize_(self._nbytes[b])
+        self._mark(b, freed=False)
         if self.on_change is not None:
             self.on_change()
 
@@ -161,6 +206,15 @@ class ShardedParams:
             self._free(b)
         self.filled = True
 
+    def _mark(self, b: int, freed: bool) -> None:
+        """Bucket ``b``'s parameters refuse reads (``freed``) or are plain parameters again."""
+        if self._params is None:
+            return
+        for i in self._bucket_params[b]:
+            p = self._params[i]
+            plain = getattr(type(p), "_p3d_plain_class", type(p))
+            p.__class__ = _sharded_class(plain) if freed else plain
+
     # -- gather and free ------------------------------------------------------------------
     def _note(self, kind: str, b: int) -> None:
         if self.trace is not None:
@@ -172,6 +226,7 @@ class ShardedParams:
             return
         full = self.full[b]
         full.untyped_storage().resize_(self._nbytes[b])
+        self._mark(b, freed=False)
         self._note("gather", b)
         with torch.autograd._unsafe_preserve_version_counter(full):
             if self.group is None:
@@ -209,6 +264,7 @@ class ShardedParams:
         if not self.gathered[b]:
             return
         self.full[b].untyped_storage().resize_(0)
+        self._mark(b, freed=True)
         self.gathered[b] = False
         self._note("free", b)
         if self.on_change is not None:
@@ -251,6 +307,9 @@ class ShardedParams:
     def hook(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         """Forward pre/post hooks on every module reading parameters of ``params``."""
         users = bucket_readers(model, params, self.layout)
+        self._params, self._bucket_params = list(params), self._members(len(params))
+        for b, gathered in enumerate(self.gathered):
+            self._mark(b, freed=not gathered)
         last_user = {b: k for k, (_, buckets) in enumerate(users) for b in buckets}
         self._first_user = {b: k for k, (_, buckets) in reversed(list(enumerate(users))) for b in buckets}
         for k, (module, buckets) in enumerate(users):
@@ -261,7 +320,8 @@ class ShardedParams:
 
     def _refuse_a_sharded_read(self, module, prefix, keep_vars) -> None:
         """``model.state_dict()`` with a bucket freed would hand out tensors over 0 bytes of
-        storage, whose first read crashes the process: a clear error instead."""
+        storage: refused, saying how many buckets are sharded (each parameter's own guard,
+        :func:`_sharded_class`, would name only the first one read)."""
         freed = self.gathered.count(False)
         if freed:
             raise UserError(f"state_dict() at parallel.zero=3 with {freed} of {len(self.gathered)} parameter buckets "
