@@ -75,3 +75,30 @@ def test_help_is_plain_text(command, capsys):
     text = capsys.readouterr().out
     assert exit_.value.code == 0 and text.startswith("usage: parallel3d")
     assert "``" not in text and ":func:" not in text and ":class:" not in text, text  # no reST markup
+
+
+_NO_TORCH = """
+import sys
+sys.argv = ["parallel3d", "plan", *sys.argv[1:]]
+from parallel3d.cli import main
+try:
+    main()
+finally:
+    print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [
+    ["--model", "8b", "--gpus", "16", "--gpu", "h100-80g"],
+    ["--model", "1b", "--gpus", "8", "--gpu", "h100-80g", "--lora", "--seq-len", "65536"],  # LoRA, cp
+    ["--model", "debug-moe", "--gpus", "8", "--gpu", "h100-80g", "--ep", "2"],
+], ids=["dense", "lora-cp", "moe"])
+def test_plan_imports_no_torch(args):
+    """``parallel3d plan`` is arithmetic over a config: it imports no torch (1.2 of its 4 s
+    before), whatever the model, LoRA, context or expert parallelism."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "recommended:" in proc.stdout
+    assert "torch imported: False" in proc.stderr, proc.stderr

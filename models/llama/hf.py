@@ -19,7 +19,7 @@ writes ``rope_parameters = {"rope_type", "rope_theta", ...scaling fields}``. Bot
 from __future__ import annotations
 
 from ..moe.hf import MOE_ARCHS, moe_config_from_hf, moe_config_to_hf, moe_family, name_from_mixtral, name_to_mixtral
-from .model import ROPE_SCALINGS, LlamaConfig
+from .config import ROPE_SCALINGS, LlamaConfig
 
 _ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
           "Qwen3ForCausalLM": "qwen3", **MOE_ARCHS}

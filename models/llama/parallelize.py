@@ -50,7 +50,8 @@ from parallel3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD
 from parallel3d.tensor_parallel.norm import ShardedRMSNorm
 
-from .model import MLP, Llama, LlamaConfig
+from .config import LlamaConfig, tensor_parallel_problems  # noqa: F401 - re-exported
+from .model import MLP, Llama
 # the pipeline cut and the recomputation have files of their own; their names stay
 # importable from here, where the family's callers find them
 from .recompute import RECOMPUTE, apply_recompute  # noqa: F401
@@ -95,25 +96,6 @@ class VocabParallelLoss:
         if divisor is not None:
             return loss.sum() / divisor
         return loss.sum() / (targets != IGNORE_INDEX).sum()
-
-
-def tensor_parallel_problems(cfg: LlamaConfig, tp: int) -> list[str]:
-    """Every reason ``cfg`` cannot be split over tp, each naming the numbers."""
-    problems = []
-    if cfg.n_heads % tp:
-        problems.append(f"model.n_heads {cfg.n_heads} is not divisible by parallel.tp {tp}: "
-                        "choose a tp that divides the number of heads")
-    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
-        problems.append(
-            f"model.n_kv_heads {cfg.n_kv_heads} and parallel.tp {tp}: one must divide the other "
-            "(kv-heads are split when tp divides them, replicated when they divide tp)")
-    if cfg.ffn_dim % tp and not all(cfg.is_sparse(i) for i in range(cfg.n_layers)):
-        problems.append(f"model.ffn_dim {cfg.ffn_dim} is not divisible by parallel.tp {tp}: "
-                        "choose a tp that divides the MLP width")
-    if cfg.qk_norm and cfg.qk_norm_all_heads and cfg.n_kv_heads % tp:
-        problems.append(f"q/k norms over all heads (OLMoE) split with the heads: parallel.tp {tp} must "
-                        f"divide model.n_kv_heads {cfg.n_kv_heads}")
-    return problems
 
 
 def check_tensor_parallel(cfg: LlamaConfig, tp: int) -> None:

@@ -7,8 +7,6 @@ import math
 
 import torch
 
-ROPE_SCALINGS = ("default", "linear", "llama3")
-
 
 def scale_rope_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Rotary frequencies under a context-extension scheme (``rope_type`` of Hugging Face's

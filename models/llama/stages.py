@@ -15,17 +15,8 @@ from parallel3d.kernels.deferred import defer
 from parallel3d.pipeline.partition import layer_ranges, rank_chunks, resolve_split
 from parallel3d.tensor_parallel.split_backward import split_weight_grads
 
-from .model import Llama, LlamaConfig, RMSNorm, _RMSNormFn
-
-
-def stage_costs(cfg: LlamaConfig) -> tuple[float, float]:
-    """(embedding, head) cost in decoder layers, by GEMM FLOPs per token (the split rule
-    of ``parallel3d.pipeline.partition``). The embedding is a gather: 0. The head is one
-    ``dim x vocab`` GEMM against the layer's attention and MLP GEMMs. Tensor parallelism
-    divides both alike, so the ratio holds for any tp."""
-    hd = cfg.head_dim
-    layer = 2 * cfg.dim * cfg.n_heads * hd + 2 * cfg.dim * cfg.n_kv_heads * hd + 3 * cfg.dim * cfg.ffn_dim
-    return 0.0, cfg.vocab_size * cfg.dim / layer
+from .config import stage_costs
+from .model import Llama, RMSNorm, _RMSNormFn
 
 
 def cut_pipeline_stages(model: Llama, topo, parallel_cfg) -> list[Llama]:

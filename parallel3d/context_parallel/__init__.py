@@ -16,15 +16,22 @@ over the whole sequence from each rank's queries.
 Every function takes the cp process group explicitly.
 """
 
-from .attention import COMMS, ContextParallelAttention, allgather_attention, context_parallel_attention
-from .cost import choose_comm, kv_bytes_per_layer, score_elements
-from .ring import ring_attention
-from .sharding import (contiguous_positions, document_ids, document_keys, head_tail_chunks, shard_documents,
-                       shard_positions, shard_sequence, unshard_sequence)
-
 __all__ = [
     "COMMS", "ContextParallelAttention", "context_parallel_attention", "allgather_attention", "ring_attention",
     "kv_bytes_per_layer", "score_elements", "choose_comm", "shard_sequence", "unshard_sequence",
     "shard_positions", "contiguous_positions", "document_ids", "document_keys", "shard_documents",
     "head_tail_chunks",
 ]
+
+# name -> module, imported on first use: ``cost`` is plain Python (the planner reads it
+# without torch), the rest import torch
+_HOME = {"COMMS": "attention", "ContextParallelAttention": "attention", "allgather_attention": "attention",
+         "context_parallel_attention": "attention", "choose_comm": "cost", "kv_bytes_per_layer": "cost",
+         "score_elements": "cost", "ring_attention": "ring"}
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        import importlib
+        return getattr(importlib.import_module(f".{_HOME.get(name, 'sharding')}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

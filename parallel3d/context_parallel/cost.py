@@ -13,7 +13,10 @@ Activation recomputation runs the forward again: add its share once more.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # plain Python at run time: the planner imports it without torch
+    import torch
 
 
 def kv_bytes_per_layer(comm: str, *, batch: int, seq_len: int, n_kv_heads: int, head_dim: int,

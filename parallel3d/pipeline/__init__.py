@@ -11,6 +11,12 @@
 * ``synthetic``: fixed-cost chunks for measuring schedules (benchmark, tests).
 """
 
-from .runtime import PipelineSchedule, build_schedule
-
 __all__ = ["PipelineSchedule", "build_schedule"]
+
+
+def __getattr__(name: str):
+    # the runtime (torch) on first use: the planner reads the pure modules without torch
+    if name in __all__:
+        from . import runtime
+        return getattr(runtime, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

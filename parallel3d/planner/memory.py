@@ -226,12 +226,13 @@ def head_activation_bytes(model, tokens: int, layout: Layout, act: int, cpu: boo
     (``cpu``), the torch reference's one fp32 row block (``kernels.cross_entropy``: at most
     ``REF_BLOCK_BYTES``, whole rows). The head's matmul saves its input, not its output.
     """
-    from parallel3d.kernels.cross_entropy import REF_BLOCK_BYTES
-
     v = -(-model.vocab_size // layout.tp)  # the vocabulary padded to a multiple of tp, per rank
     seq_shard = layout.tp if layout.sequence_parallel else 1
     norm = act * model.dim // seq_shard + act * model.dim  # the final norm's input, the head's input
-    block = min(tokens, max(1, REF_BLOCK_BYTES // (4 * v))) * 4 * v if cpu else 0
+    block = 0
+    if cpu:  # (the kernel's module imports torch: a GPU plan does not need it)
+        from parallel3d.kernels.cross_entropy import REF_BLOCK_BYTES
+        block = min(tokens, max(1, REF_BLOCK_BYTES // (4 * v))) * 4 * v
     return tokens * (norm + act * v + 8 + 8), block
 
 
