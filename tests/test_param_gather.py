@@ -200,3 +200,49 @@ def test_a_module_computing_its_childrens_weights_waits_for_them(pools, corpus_d
     for got, want in zip(late, plain):
         assert got["losses"] == want["losses"], (got, want)
         assert got["containers"] == 1 and got["inside"] == 0  # debug-moe at 2 layers: layer 1 is sparse
+
+
+def _read_right_after_a_step(job: dict) -> dict:
+    from parallel3d.zero.guard import guard
+
+    cfg = config_from_dict(job)
+    trainer = Trainer(cfg, Topology(1, 1, cfg.parallel.dp))
+    opt = trainer.optimizer
+    opt.read_waits = []
+    trainer.train_step()
+    trainer.train_step()
+    steps_read = list(opt.read_waits)  # the trainer's own reads between steps: none
+    guarded = [type(p).__name__ for p in opt.params]
+    in_flight = len(opt._gathers)
+    name, p = next(iter(trainer.model.named_parameters()))
+    meta = (tuple(p.shape), p.numel())  # metadata waits for nothing
+    waits_after_meta = len(opt.read_waits)
+    first = p.detach().clone()  # a read of the elements: its bucket waited for first
+    waited = list(opt.read_waits)
+    # the same read with the values held back (NaN until waited for, as _late_gathers)
+    _late_gathers(opt)
+    for q in opt.params:
+        guard(q, opt._read_in_flight)
+    late = p.detach().clone()
+    opt.finish_param_gather()
+    trainer.close()
+    return {"steps_read": steps_read, "guarded": guarded, "in_flight": in_flight, "meta": meta,
+            "waits_after_meta": waits_after_meta, "waited": waited, "n": len(opt.params),
+            "bucket": opt.layout.location[next(i for i, q in enumerate(opt.params) if q is p)][0],
+            "shape": list(first.shape), "same": torch.equal(first, p.detach()),
+            "late_finite": bool(torch.isfinite(late).all()), "late_same": torch.equal(late, p.detach()),
+            "plain": type(p) is torch.nn.Parameter}
+
+
+def test_a_read_outside_a_forward_waits_for_its_bucket(pools, corpus_dir, tmp_path):
+    """Right after a step every bucket's all-gather is in flight and its parameters are
+    guarded: reading one (here ``p.detach()``) first waits for its own bucket, so it sees
+    the new weights, never a torn mix (with the values held back until the wait: no NaN);
+    its shape reads without waiting. The trainer itself reads no parameter between steps
+    (no wait recorded over two steps: the overlap is kept)."""
+    for got in pools(2).run(_read_right_after_a_step, _job(corpus_dir, str(tmp_path))):
+        assert got["steps_read"] == []
+        assert got["in_flight"] >= 5 and all(name == "GuardedParameter" for name in got["guarded"])
+        assert list(got["meta"][0]) == got["shape"] and got["waits_after_meta"] == 0
+        assert got["waited"] == [(got["bucket"], "detach")]
+        assert got["same"] and got["late_finite"] and got["late_same"] and got["plain"]

@@ -37,11 +37,8 @@ export; the optimizer frees them when the update changes the shards).
 
 A parameter whose bucket is freed is a tensor over 0 bytes of storage: any kernel that read
 it would read freed memory and crash the process (a segfault, no traceback). So while
-freed, each parameter's class is a subclass of its own (:func:`_sharded_class`) whose
-``__torch_function__`` lets metadata through (shape, dtype, device, ``.grad``, hooks, the
-storage's size) and refuses anything else in one line naming the way to gather; gathering
-restores the plain class, so the forward and backward pay nothing (autograd's own reads
-are C++ and never see the subclass).
+freed it is guarded (:mod:`.guard`): its metadata reads, and anything else is refused in
+one line naming the way to gather; gathering lifts the guard.
 """
 
 from __future__ import annotations
@@ -56,40 +53,14 @@ from parallel3d.distributed import all_gather_flat
 from parallel3d.errors import UserError
 
 from .buckets import BucketLayout
+from .guard import guard, unguard
 
 
-# Tensor methods and properties that read no element: a freed parameter allows them.
-_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
-             torch.Tensor.stride, torch.Tensor.storage_offset, torch.Tensor.is_contiguous,
-             torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.data_ptr,
-             torch.Tensor.untyped_storage, torch.Tensor.register_hook,
-             torch.Tensor.register_post_accumulate_grad_hook, torch.Tensor.requires_grad_,
-             torch.Tensor.__hash__}
-_METADATA |= {getattr(torch.Tensor, name).__get__ for name in (
-    "shape", "ndim", "dtype", "device", "layout", "grad", "requires_grad", "is_leaf", "grad_fn",
-    "is_meta", "is_cuda", "is_cpu", "nbytes", "itemsize", "_version")}
-_METADATA |= {torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__, torch.Tensor.requires_grad.__set__}
-_SHARDED_CLASSES: dict[type, type] = {}
-
-
-def _refuse_read(cls, func, types, args=(), kwargs=None):
-    if func in _METADATA:
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-    shape = next((tuple(a.shape) for a in tree_leaves((args, kwargs)) if isinstance(a, cls)), "?")
-    name = getattr(func, "__name__", str(func))
-    raise UserError(f"a parameter of shape {shape} was read ({name}) while parallel.zero=3 holds it sharded "
-                    "(this rank keeps 1/dp of it between uses): gather the weights first with "
+def _refuse_read(p: torch.Tensor, what: str) -> None:
+    """A freed bucket's parameter read outside its module's forward (:mod:`.guard`)."""
+    raise UserError(f"a parameter of shape {tuple(p.shape)} was read ({what}) while parallel.zero=3 holds it "
+                    "sharded (this rank keeps 1/dp of it between uses): gather the weights first with "
                     "trainer.finish_param_gather() (LoRA's frozen base: optimizer.frozen.gather_all())")
-
-
-def _sharded_class(cls: type) -> type:
-    """``cls`` (a parameter's class) refusing every read of its elements: the class a
-    parameter takes while its bucket is freed (see the module docstring)."""
-    if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (cls,), {
-            "__torch_function__": classmethod(_refuse_read), "_p3d_plain_class": cls})
-    return _SHARDED_CLASSES[cls]
 
 
 def _output_tensors(output) -> list[torch.Tensor]:
@@ -211,9 +182,10 @@ class ShardedParams:
         if self._params is None:
             return
         for i in self._bucket_params[b]:
-            p = self._params[i]
-            plain = getattr(type(p), "_p3d_plain_class", type(p))
-            p.__class__ = _sharded_class(plain) if freed else plain
+            if freed:
+                guard(self._params[i], _refuse_read)
+            else:
+                unguard(self._params[i])
 
     # -- gather and free ------------------------------------------------------------------
     def _note(self, kind: str, b: int) -> None:
@@ -321,7 +293,7 @@ class ShardedParams:
     def _refuse_a_sharded_read(self, module, prefix, keep_vars) -> None:
         """``model.state_dict()`` with a bucket freed would hand out tensors over 0 bytes of
         storage: refused, saying how many buckets are sharded (each parameter's own guard,
-        :func:`_sharded_class`, would name only the first one read)."""
+        :mod:`.guard`, would name only the first one read)."""
         freed = self.gathered.count(False)
         if freed:
             raise UserError(f"state_dict() at parallel.zero=3 with {freed} of {len(self.gathered)} parameter buckets "

@@ -3,7 +3,10 @@ and its parameters: :class:`ParamPublication`, the mixin that holds ``take_maste
 (parameters -> masters, after init or load) and the publication after each update
 (masters -> parameter buffer -> all-gathered over dp, asynchronously: each module waits,
 in a forward pre-hook, only for the buckets it reads; ``finish_param_gather`` for readers
-outside a forward; stage 3 frees its stale full buckets instead)."""
+outside a forward; stage 3 frees its stale full buckets instead). While a bucket's
+all-gather is in flight its parameters are guarded (:mod:`.guard`): any other read of
+them waits for that bucket first, so nothing outside a forward reads a torn mix of the
+old and new weights."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 from parallel3d.distributed import all_gather_flat
 
+from .guard import guard, unguard
 from .params import bucket_readers
 
 
@@ -72,6 +76,8 @@ class ParamPublication:
                 out = self.param_buffer[bucket.offset:bucket.offset + bucket.numel]
                 self._gathers[b] = all_gather_flat(out, self.param_shards[b], group=self.dp_group,
                                                    async_op=True)
+                for i in self._bucket_members()[b]:
+                    guard(self.params[i], self._read_in_flight)
         if not self._overlap_gather:
             self.finish_param_gather()
 
@@ -81,6 +87,27 @@ class ParamPublication:
                 work = self._gathers.pop(b, None)
                 if work is not None:
                     work.wait()
+                    for i in self._bucket_members()[b]:
+                        unguard(self.params[i])
+
+    def _bucket_members(self) -> list[list[int]]:
+        """The parameter indices of each bucket."""
+        if getattr(self, "_members", None) is None:
+            self._members, self._bucket_of = [[] for _ in self.layout.buckets], {}
+            for i, p in enumerate(self.params):
+                b = self.layout.location[i][0]
+                self._members[b].append(i)
+                self._bucket_of[id(p)] = b
+        return self._members
+
+    def _read_in_flight(self, p: torch.Tensor, what: str) -> None:
+        """A parameter read outside its module's forward while its bucket is being
+        all-gathered: wait for that bucket (a trace records it, when the optimizer has one)."""
+        self._bucket_members()
+        b = self._bucket_of[id(p)]
+        if getattr(self, "read_waits", None) is not None:
+            self.read_waits.append((b, what))
+        self._wait_gathers([b])
 
     def finish_param_gather(self) -> None:
         """Block until every parameter holds the values of the last step: whatever reads
