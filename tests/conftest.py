@@ -9,11 +9,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from parallel3d.testing import ProcessGroupPool
 
-from helpers import POOL_START
+from helpers import POOL_START, torch_threads
 
 
 @pytest.fixture(scope="module")
@@ -22,10 +21,8 @@ def one_thread():
     ``pytestmark = pytest.mark.usefixtures("one_thread")``): the pool's ranks take the other
     core, and two OpenMP threads spinning on a loaded 2-core machine turn a 20 ms step into
     seconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")

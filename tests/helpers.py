@@ -6,6 +6,7 @@ import json
 import os
 import resource
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 # How every gloo pool of the suite starts its workers: forked from one server process that
@@ -142,3 +143,18 @@ def spawned_children(parent: int) -> list[int]:
         if ppid == parent and b"spawn_main" in cmd:
             out.append(int(entry))
     return sorted(out)
+
+
+@contextmanager
+def torch_threads(n: int = 1):
+    """torch computes on ``n`` threads inside, as each pool rank does (a reference run in
+    the test process: two OpenMP threads spin-waiting for each other on a loaded 2-core
+    machine took 7-55 s for what one does in 0.6 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -14,7 +14,7 @@ from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 from parallel3d.zero.buckets import SHARD_ALIGN
 
-from helpers import relative_diff, tiny_job
+from helpers import relative_diff, tiny_job, torch_threads
 
 STEPS = 8
 RANK = 4
@@ -67,12 +67,8 @@ def _adapter_numel(tp: int, layers: int) -> int:
 
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_lora_trains_only_the_adapters(reference, corpus_dir, tmp_path):

@@ -38,7 +38,7 @@ from parallel3d.config import config_from_dict
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import job_args, tiny_job
+from helpers import job_args, tiny_job, torch_threads
 
 # -- what runs code if anything ever unpickles or imports it ---------------------------------
 
@@ -78,12 +78,8 @@ def originals(corpus_dir, tmp_path_factory):
     """A parallel3d checkpoint after two steps, and its Hugging Face export."""
     root = tmp_path_factory.mktemp("originals")
     job = _job(corpus_dir, root / "run", checkpoint={"interval": 2, "export_hf": str(root / "hf")})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         Trainer(config_from_dict(job), Topology.single(), log=False).fit()
-    finally:
-        torch.set_num_threads(threads)
     return {"ckpt": root / "run" / "checkpoints" / "step_00000002", "hf": root / "hf"}
 
 

@@ -16,7 +16,7 @@ from parallel3d.config import config_from_dict
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import WEIGHT_RTOL, relative_diff, tiny_job
+from helpers import WEIGHT_RTOL, relative_diff, tiny_job, torch_threads
 
 STEPS = 10
 
@@ -64,16 +64,12 @@ def _train(job: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each rank: two spinning OpenMP threads crawl on 2 loaded cores
-    try:
+    with torch_threads(1):
         run = tmp_path_factory.mktemp("ref")
         cfg = config_from_dict(_job(corpus_dir, str(run)))
         trainer = Trainer(cfg, Topology.single())
         history = trainer.fit()
         weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    finally:
-        torch.set_num_threads(threads)
     return {"history": history, "weights": weights}
 
 

@@ -5,13 +5,12 @@ of every layout equal one process's (fp32, 1e-5, the parity bar of every layout 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from parallel3d.config import config_from_dict
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import relative_diff, tiny_job
+from helpers import relative_diff, tiny_job, torch_threads
 
 STEPS = 10
 
@@ -34,12 +33,8 @@ def _train(job: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("parallel", [

@@ -12,7 +12,6 @@ routing flip at step 3) leaves the 1e-5 bar within a few steps, so the bar sees 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from parallel3d.config import config_from_dict
 from parallel3d.topology import Topology
@@ -20,7 +19,7 @@ from parallel3d.train.trainer import Trainer
 
 from parallel3d.zero.buckets import SHARD_ALIGN
 
-from helpers import relative_diff, tiny_job
+from helpers import relative_diff, tiny_job, torch_threads
 
 STEPS = 20
 
@@ -58,12 +57,8 @@ def _train(job: dict, stop_at: int | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(corpus_dir, tmp_path_factory):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         return _train(_job(corpus_dir, str(tmp_path_factory.mktemp("ref"))))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_the_auxiliary_loss_reaches_the_gradients(pools, corpus_dir, tmp_path, reference):

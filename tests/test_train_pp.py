@@ -20,7 +20,7 @@ from parallel3d.pipeline.synthetic import FixedCostChunk, mean_loss
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
-from helpers import BF16_U, WEIGHT_RTOL, relative_diff, tiny_job
+from helpers import BF16_U, WEIGHT_RTOL, relative_diff, tiny_job, torch_threads
 
 STEPS = 10
 
@@ -56,14 +56,8 @@ def reference(corpus_dir, tmp_path_factory):
     def get(n_layers: int, tie: bool = False) -> dict:
         if (n_layers, tie) not in cache:
             run = tmp_path_factory.mktemp("ref")
-            # One thread, as each rank has: on a loaded 2-core machine two OpenMP threads
-            # that spin-wait for each other took 7-55 s for what one does in 0.6 s.
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
+            with torch_threads(1):
                 cache[(n_layers, tie)] = _train(_job(corpus_dir, str(run), n_layers, tie))
-            finally:
-                torch.set_num_threads(threads)
         return cache[(n_layers, tie)]
     return get
 
