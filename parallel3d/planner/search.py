@@ -11,8 +11,10 @@ fragmentation margin, is within the GPU's memory less the runtime reserve.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property, partial
 from itertools import product
+from typing import Callable
 from typing import get_args
 
 from parallel3d.config_choices import ZeroStage
@@ -37,8 +39,14 @@ ZERO_STAGES = tuple(sorted(get_args(ZeroStage)))  # chunks per rank; beyond 8 th
 class Candidate:
     layout: Layout
     stages: list[StageMemory]
-    time: StepTime
-    budget: int  # bytes a rank may use
+    timing: Callable[[], StepTime] = field(repr=False, compare=False)  # the step time model, when asked
+    budget: int = 0  # bytes a rank may use
+
+    @cached_property
+    def time(self) -> StepTime:
+        """The predicted step, computed when first read: the search sorts only the layouts
+        that fit by it, and most of those that do not fit never need it."""
+        return self.timing()
 
     @property
     def worst(self) -> StageMemory:
@@ -144,7 +152,7 @@ def evaluate(work: Workload, layout: Layout, gpu: GPU, gpus_per_node: int,
     if eff is None:  # the planner's default, inverted from its published anchor run
         from parallel3d.planner.calibrate import default_efficiency
         eff = default_efficiency()
-    return Candidate(layout, memory_per_stage(work, layout), step_time(work, layout, gpu, gpus_per_node, eff),
+    return Candidate(layout, memory_per_stage(work, layout), partial(step_time, work, layout, gpu, gpus_per_node, eff),
                      usable_bytes(gpu))
 
 
