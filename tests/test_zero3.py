@@ -302,12 +302,19 @@ def _gather_trace(job: dict) -> dict:
         read = f"read {float(p.sum())}"
     except UserError as e:
         read = str(e)
+    # its bucket's all-gather issued (a prefetch) and not waited for: a read waits for it
+    b = sharded.layout.location[next(i for i, q in enumerate(trainer.optimizer.params) if q is p)][0]
+    sharded._issue(b)
+    in_flight = [type(p).__name__, sharded.gathered[b]]
+    early = p.detach().clone()
+    in_flight += [sharded.gathered[b], type(p) is torch.nn.Parameter]
     trainer.finish_param_gather()
     state = trainer.model.state_dict()
     whole = sum(t.numel() for t in state.values())
-    read_after = [type(p) is torch.nn.Parameter, torch.equal(p.detach(), state[name])]
+    read_after = [type(p) is torch.nn.Parameter, torch.equal(p.detach(), state[name]), torch.equal(early, state[name])]
     return {"trace": sharded.trace, "n_buckets": len(sharded.full), "refused": refused, "whole": whole,
             "read": read, "meta": meta, "read_after": read_after, "shape": list(state[name].shape),
+            "in_flight": in_flight,
             "numel": sum(p.numel() for p in trainer.model.parameters()),
             "micro_batches": cfg.train.global_batch // (cfg.train.micro_batch * cfg.parallel.dp)}
 
@@ -336,4 +343,6 @@ def test_zero3_gathers_each_bucket_before_its_use_and_prefetches_the_next(pools,
         assert "finish_param_gather()" in got["read"] and "\n" not in got["read"]
         assert got["meta"][:4] == [tuple(got["shape"]), math.prod(got["shape"]), "torch.float32", True]
         assert got["meta"][4] == 0  # its storage freed, not shadowed by a copy
-        assert got["read_after"] == [True, True]  # gathered: a plain parameter again
+        # issued, not waited for: guarded; a read waits for that bucket and sees its values
+        assert got["in_flight"] == ["GuardedParameter", False, True, True]
+        assert got["read_after"] == [True, True, True]  # gathered: a plain parameter again

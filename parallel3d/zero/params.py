@@ -38,7 +38,9 @@ export; the optimizer frees them when the update changes the shards).
 A parameter whose bucket is freed is a tensor over 0 bytes of storage: any kernel that read
 it would read freed memory and crash the process (a segfault, no traceback). So while
 freed it is guarded (:mod:`.guard`): its metadata reads, and anything else is refused in
-one line naming the way to gather; gathering lifts the guard.
+one line naming the way to gather. While its bucket's all-gather is in flight (issued, a
+prefetch, not yet waited for), a read waits for that bucket first; once waited for, it is
+a plain parameter again.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class ShardedParams:
         self.filled = False  # the shards hold the start values (fill_by_bucket)
         self._params: list | None = None  # the parameters (hook): their class follows the storage
         self._bucket_params: list[list[int]] = []
+        self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
 
     def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
         """Parameter i's view of its bucket's full storage (made while that storage is
@@ -158,7 +161,7 @@ class ShardedParams:
 
     def _allocate(self, b: int) -> None:
         self.full[b].untyped_storage().resize_(self._nbytes[b])
-        self._mark(b, freed=False)
+        self._mark(b, "gathered")
         if self.on_change is not None:
             self.on_change()
 
@@ -177,15 +180,20 @@ class ShardedParams:
             self._free(b)
         self.filled = True
 
-    def _mark(self, b: int, freed: bool) -> None:
-        """Bucket ``b``'s parameters refuse reads (``freed``) or are plain parameters again."""
+    def _mark(self, b: int, state: str) -> None:
+        """Bucket ``b``'s parameters refuse reads ("freed"), wait for the bucket when read
+        ("in flight") or are plain parameters ("gathered")."""
         if self._params is None:
             return
+        on_read = {"freed": _refuse_read, "in flight": self._read_in_flight}.get(state)
         for i in self._bucket_params[b]:
-            if freed:
-                guard(self._params[i], _refuse_read)
-            else:
+            if on_read is None:
                 unguard(self._params[i])
+            else:
+                guard(self._params[i], on_read)
+
+    def _read_in_flight(self, p: torch.Tensor, what: str) -> None:
+        self._wait(self._bucket_of[id(p)])
 
     # -- gather and free ------------------------------------------------------------------
     def _note(self, kind: str, b: int) -> None:
@@ -198,7 +206,7 @@ class ShardedParams:
             return
         full = self.full[b]
         full.untyped_storage().resize_(self._nbytes[b])
-        self._mark(b, freed=False)
+        self._mark(b, "in flight")
         self._note("gather", b)
         with torch.autograd._unsafe_preserve_version_counter(full):
             if self.group is None:
@@ -220,6 +228,7 @@ class ShardedParams:
                 work.wait()
         self._note("wait", b)
         self.gathered[b] = True
+        self._mark(b, "gathered")
 
     def gather(self, buckets, prefetch: int | None = None) -> None:
         """Issue every bucket's all-gather (and the prefetched one's), then wait for them."""
@@ -236,7 +245,7 @@ class ShardedParams:
         if not self.gathered[b]:
             return
         self.full[b].untyped_storage().resize_(0)
-        self._mark(b, freed=True)
+        self._mark(b, "freed")
         self.gathered[b] = False
         self._note("free", b)
         if self.on_change is not None:
@@ -280,8 +289,9 @@ class ShardedParams:
         """Forward pre/post hooks on every module reading parameters of ``params``."""
         users = bucket_readers(model, params, self.layout)
         self._params, self._bucket_params = list(params), self._members(len(params))
+        self._bucket_of = {id(params[i]): b for b, members in enumerate(self._bucket_params) for i in members}
         for b, gathered in enumerate(self.gathered):
-            self._mark(b, freed=not gathered)
+            self._mark(b, "gathered" if gathered else "in flight" if b in self._work else "freed")
         last_user = {b: k for k, (_, buckets) in enumerate(users) for b in buckets}
         self._first_user = {b: k for k, (_, buckets) in reversed(list(enumerate(users))) for b in buckets}
         for k, (module, buckets) in enumerate(users):
