@@ -14,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from itertools import product
-from typing import Callable
-from typing import get_args
+from typing import Callable, get_args
 
 from parallel3d.config_choices import ZeroStage
 
@@ -40,7 +39,7 @@ class Candidate:
     layout: Layout
     stages: list[StageMemory]
     timing: Callable[[], StepTime] = field(repr=False, compare=False)  # the step time model, when asked
-    budget: int = 0  # bytes a rank may use
+    budget: int  # bytes a rank may use
 
     @cached_property
     def time(self) -> StepTime:

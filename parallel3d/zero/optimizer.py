@@ -146,6 +146,8 @@ class ZeroOptimizer(ParamPublication, GlobalNormOptimizer):
         self._tied_views = [self.reducer.shard_views[self.layout.location[i][0]] for i in sorted(tied)]
         self.step_count = 0
         self._gathers: dict[int, object] = {}
+        self._bucket_of = {id(p): self.layout.location[i][0] for i, p in enumerate(self.params)}
+        self.read_waits = None
         self._build_adam(state_device)
         self._overlap_gather = model is not None and overlap_param_gather
         # called before apply() changes a weight or a moment: a background checkpoint

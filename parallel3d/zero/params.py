@@ -137,7 +137,6 @@ class ShardedParams:
         self.on_change = None
         self.filled = False  # the shards hold the start values (fill_by_bucket)
         self._params: list | None = None  # the parameters (hook): their class follows the storage
-        self._bucket_params: list[list[int]] = []
         self._bucket_of: dict[int, int] = {}  # id(parameter) -> its bucket
 
     def views(self, shapes: list[torch.Size]) -> list[torch.Tensor]:
@@ -186,11 +185,11 @@ class ShardedParams:
         if self._params is None:
             return
         on_read = {"freed": _refuse_read, "in flight": self._read_in_flight}.get(state)
-        for i in self._bucket_params[b]:
+        for seg in self.layout.buckets[b].segments:
             if on_read is None:
-                unguard(self._params[i])
+                unguard(self._params[seg.index])
             else:
-                guard(self._params[i], on_read)
+                guard(self._params[seg.index], on_read)
 
     def _read_in_flight(self, p: torch.Tensor, what: str) -> None:
         self._wait(self._bucket_of[id(p)])
@@ -288,8 +287,8 @@ class ShardedParams:
     def hook(self, model: torch.nn.Module, params: list[torch.nn.Parameter]) -> None:
         """Forward pre/post hooks on every module reading parameters of ``params``."""
         users = bucket_readers(model, params, self.layout)
-        self._params, self._bucket_params = list(params), self._members(len(params))
-        self._bucket_of = {id(params[i]): b for b, members in enumerate(self._bucket_params) for i in members}
+        self._params = list(params)
+        self._bucket_of = {id(p): self.layout.location[i][0] for i, p in enumerate(params)}
         for b, gathered in enumerate(self.gathered):
             self._mark(b, "gathered" if gathered else "in flight" if b in self._work else "freed")
         last_user = {b: k for k, (_, buckets) in enumerate(users) for b in buckets}

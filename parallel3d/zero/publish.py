@@ -30,6 +30,8 @@ class ParamPublication:
     """
 
     _gathers: dict[int, object]
+    _bucket_of: dict[int, int]  # id(parameter) -> its bucket
+    read_waits: list | None  # (bucket, operation) of each read that waited, when a list (tests)
 
     @torch.no_grad()
     def take_masters(self) -> None:
@@ -76,8 +78,8 @@ class ParamPublication:
                 out = self.param_buffer[bucket.offset:bucket.offset + bucket.numel]
                 self._gathers[b] = all_gather_flat(out, self.param_shards[b], group=self.dp_group,
                                                    async_op=True)
-                for i in self._bucket_members()[b]:
-                    guard(self.params[i], self._read_in_flight)
+                for seg in bucket.segments:
+                    guard(self.params[seg.index], self._read_in_flight)
         if not self._overlap_gather:
             self.finish_param_gather()
 
@@ -87,25 +89,14 @@ class ParamPublication:
                 work = self._gathers.pop(b, None)
                 if work is not None:
                     work.wait()
-                    for i in self._bucket_members()[b]:
-                        unguard(self.params[i])
-
-    def _bucket_members(self) -> list[list[int]]:
-        """The parameter indices of each bucket."""
-        if getattr(self, "_members", None) is None:
-            self._members, self._bucket_of = [[] for _ in self.layout.buckets], {}
-            for i, p in enumerate(self.params):
-                b = self.layout.location[i][0]
-                self._members[b].append(i)
-                self._bucket_of[id(p)] = b
-        return self._members
+                    for seg in self.layout.buckets[b].segments:
+                        unguard(self.params[seg.index])
 
     def _read_in_flight(self, p: torch.Tensor, what: str) -> None:
         """A parameter read outside its module's forward while its bucket is being
         all-gathered: wait for that bucket (a trace records it, when the optimizer has one)."""
-        self._bucket_members()
         b = self._bucket_of[id(p)]
-        if getattr(self, "read_waits", None) is not None:
+        if self.read_waits is not None:
             self.read_waits.append((b, what))
         self._wait_gathers([b])
 
