@@ -20,7 +20,6 @@ import itertools
 import os
 import shutil
 import sys
-import tempfile
 import time
 from fractions import Fraction
 from pathlib import Path
@@ -336,8 +335,8 @@ def prepare_data(inputs: list[str], tokenizer: str | Path, out: str | Path, *,
     files = [f for f in expand_inputs(inputs) if out.resolve() not in f.resolve().parents]
     if not files:
         raise UserError(f"the inputs hold no files outside --out '{out}'")
-    with tempfile.TemporaryDirectory(prefix="p3d-tokenizer-") as scratch:
-        spec = load_tokenizer(tokenizer_folder(tokenizer, Path(scratch)), eos_token)
+    with tokenizer_folder(tokenizer) as folder:
+        spec = load_tokenizer(folder, eos_token)
         if format == "chat":
             _check_chat_inputs(files, spec.dir, workers)
         try:

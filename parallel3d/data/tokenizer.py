@@ -10,8 +10,10 @@ package), and the converted file is what the dataset keeps and records.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +38,23 @@ def _special_token(value) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def tokenizer_folder(path: str | Path, scratch: Path) -> Path:
-    """``path``, or, for a folder holding ``tokenizer.model`` but no ``tokenizer.json``, the
-    folder ``scratch`` into which transformers wrote its conversion (the fast tokenizer's
-    ``tokenizer.json`` and ``tokenizer_config.json``, chat template included)."""
+@contextlib.contextmanager
+def tokenizer_folder(path: str | Path):
+    """Yields ``path``, or, for a folder holding ``tokenizer.model`` but no ``tokenizer.json``,
+    a scratch folder into which transformers wrote its conversion (the fast tokenizer's
+    ``tokenizer.json`` and ``tokenizer_config.json``, chat template included), removed on
+    exit. Nothing is created when there is nothing to convert."""
     path = Path(path)
     if path.is_file() or (path / "tokenizer.json").is_file() or not (path / "tokenizer.model").is_file():
-        return path
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="p3d-tokenizer-") as scratch:
+        yield _convert(path, Path(scratch))
+
+
+def _convert(path: Path, scratch: Path) -> Path:
+    """``scratch`` once transformers has written the conversion of ``path``'s
+    ``tokenizer.model`` into it."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
@@ -109,13 +121,6 @@ def _vocab(json_path: Path) -> dict[str, int]:
         raise UserError(f"tokenizer '{json_path}' cannot be read: {str(e).splitlines()[0]}") from None
 
 
-def _model_tokenizer_json(model_dir: Path, scratch: Path) -> Path | None:
-    """The model folder's tokenizer.json, or its conversion from tokenizer.model; None if
-    it has neither."""
-    folder = tokenizer_folder(model_dir, scratch)
-    return folder / "tokenizer.json" if (folder / "tokenizer.json").is_file() else None
-
-
 def check_same_tokenizer(dataset, model_dir: str | Path) -> None:
     """Refuse a dataset whose token ids mean other tokens than the model's tokenizer's.
 
@@ -126,13 +131,10 @@ def check_same_tokenizer(dataset, model_dir: str | Path) -> None:
     A model folder without tokenizer.json cannot be checked here (only the vocabulary
     size is, by the trainer). A model folder with only tokenizer.model is converted as
     prepare-data converts it, and the ids compared."""
-    import tempfile
-
     model_dir = Path(model_dir)
-    with tempfile.TemporaryDirectory(prefix="p3d-tokenizer-") as scratch:
-        model_json = _model_tokenizer_json(model_dir, Path(scratch))
-        if model_json is not None:
-            _check_same_ids(dataset, model_dir, model_json)
+    with tokenizer_folder(model_dir) as folder:  # tokenizer.model only: its conversion
+        if (folder / "tokenizer.json").is_file():
+            _check_same_ids(dataset, model_dir, folder / "tokenizer.json")
 
 
 def _check_same_ids(dataset, model_dir: Path, model_json: Path) -> None:
