@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from parallel3d.config import config_from_dict
-from parallel3d.errors import UserError
 from parallel3d.topology import Topology
 from parallel3d.train.trainer import Trainer
 
@@ -199,14 +198,6 @@ def test_expert_adapters_resume_across_ep(pools, corpus_dir, tmp_path):
         for got in continued:
             assert relative_diff(got["losses"], straight[4:]) < 1e-5, (par, got["losses"], straight[4:])
             assert got["frozen_unchanged"]
-
-
-def test_expert_adapters_refuse_a_peft_export(corpus_dir, tmp_path):
-    job = _job(corpus_dir, str(tmp_path))
-    job["checkpoint"] = {"export_peft": "adapter"}
-    cfg = config_from_dict(job)
-    with pytest.raises(UserError, match="export_peft with adapters on MoE experts.*export_hf"):
-        Trainer(cfg, Topology.of(cfg.parallel), log=False)
 
 
 def test_merged_export_gives_transformers_the_trained_logits(corpus_dir, tmp_path):

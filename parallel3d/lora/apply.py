@@ -78,7 +78,6 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
         # an expert's tokens arrive permuted by the dispatch, without their stream keys
         raise UserError(f"lora.dropout {lora.dropout} on a Mixture-of-Experts model's MLP projections is not "
                         "implemented: set lora.dropout=0, or keep lora.targets to the attention projections")
-    on_experts = False
     for key, layer in model.layers.items():
         experts = getattr(layer.mlp, "experts", None)  # a Mixture-of-Experts layer's routed experts
         owners = []
@@ -97,13 +96,7 @@ def apply_lora(model: torch.nn.Module, cfg, topo) -> torch.nn.Module:
             attach(proj, lora.rank, lora.alpha, topo.tp, topo.tp_rank, lora.dropout,
                    dropout_salt(cfg.train.seed, name))
         if experts is not None:
-            on_experts |= attach_experts(experts, lora.targets, lora.rank, lora.alpha, topo.tp, topo.tp_rank) > 0
-    if on_experts and cfg.checkpoint.export_peft:
-        # transformers keeps a MoE layer's experts in fused 3-d tensors, which peft adapts
-        # only through its target_parameters (another layout of the factors, not written)
-        raise UserError("checkpoint.export_peft with adapters on MoE experts is not written (transformers fuses "
-                        "the experts, which peft adapts by target_parameters): drop gate_proj, up_proj and "
-                        "down_proj from lora.targets, or export the merged model with checkpoint.export_hf")
+            attach_experts(experts, lora.targets, lora.rank, lora.alpha, topo.tp, topo.tp_rank)
     trainable = set(lora.trainable)
     if cfg.checkpoint.export_peft and model_config(model).moe is not None and trainable & set(MLP_TARGETS):
         raise UserError(f"checkpoint.export_peft with lora.trainable {sorted(trainable & set(MLP_TARGETS))} on a "

@@ -52,6 +52,11 @@ def check_adapter_config(hf: dict, lora, folder) -> None:
         problems.append(f"its r is {hf.get('r')}: set lora.rank={hf.get('r')}")
     if float(hf.get("lora_alpha", 8)) != float(lora.alpha):
         problems.append(f"its lora_alpha is {hf.get('lora_alpha')}: set lora.alpha={hf.get('lora_alpha')}")
+    if hf.get("target_parameters"):  # peft_experts.py: the fused experts, the MLP beside them
+        raise UserError(f"lora.adapter {folder}: it adapts parameters (target_parameters "
+                        f"{hf['target_parameters']}: a Mixture-of-Experts model's fused experts), which "
+                        "lora.adapter does not read: train on the merged model instead (the run's "
+                        "checkpoint.export_hf folder as model.hf_checkpoint)")
     targets = hf.get("target_modules") or []
     if isinstance(targets, str) or sorted(targets) != sorted(lora.targets):
         problems.append(f"its target_modules are {targets}: set lora.targets to that list")

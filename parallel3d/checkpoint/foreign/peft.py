@@ -8,7 +8,10 @@ Hugging Face base.
 Collective over the world. The ranks of the first data-parallel replica (dp x cp rank 0)
 send their adapter factors, each with its tensor-parallel split (``p3d_tp_dim``,
 ``p3d_tp_range``), to rank 0, which places every block at its range in the full tensor
-and writes the folder; pipeline stages send their own layers. They travel as host
+and writes the folder; pipeline stages send their own layers. A routed expert's factors
+(whole on every tp rank) come from tp rank 0 of the first replica of its experts
+(edp x cp rank 0: under expert parallelism the dp ranks of every ep rank), and go into
+transformers' fused experts as peft adapts them (``peft_experts.py``). They travel as host
 objects on a gloo group (the checkpointer's, or one made for the call under NCCL), one
 sender at a time: rank 0 holds the assembled tensors and one sender's blocks, never a
 buffer of world size x the largest sender's bytes, which ``gather_object`` allocates
@@ -33,12 +36,20 @@ import torch.distributed as dist
 from parallel3d.lora.adapters import adapter_parameters, model_config, trained_whole
 from parallel3d.lora.peft_io import CONFIG_FILE, VOCAB_ROWS, WEIGHTS_FILE, modules_to_save, peft_key
 
+from .peft_experts import fuse_experts
 
-def _blocks(model: torch.nn.Module) -> list[tuple]:
+
+def _blocks(model: torch.nn.Module, topo) -> list[tuple]:
     """(name, split dim or None, (start, stop), full size, tensor on the CPU) per factor,
-    and per weight ``lora.trainable`` trains (PEFT's ``modules_to_save``)."""
+    and per weight ``lora.trainable`` trains (PEFT's ``modules_to_save``), of those this
+    rank sends: the first replica's (dp x cp rank 0) and, of a routed expert's, tp rank 0
+    of its experts' first replica (edp x cp rank 0)."""
+    dense = topo.dp_cp_rank == 0
+    experts = topo.edp_rank == 0 and topo.cp_rank == 0 and topo.tp_rank == 0
     out = []
     for name, p in adapter_parameters(model) + trained_whole(model):
+        if not (experts if getattr(p, "p3d_expert", False) else dense):
+            continue
         dim = getattr(p, "p3d_tp_dim", None)
         out.append((name, dim, getattr(p, "p3d_tp_range", None), getattr(p, "p3d_tp_full", None),
                     p.detach().to("cpu", copy=True)))
@@ -62,14 +73,15 @@ def assemble(blocks: list[tuple], full: dict[str, torch.Tensor] | None = None) -
     return full
 
 
-def adapter_config(lora, base_model: str = "") -> dict:
-    """PEFT's ``adapter_config.json`` for the ``[lora]`` section."""
+def adapter_config(lora, base_model: str = "", experts: dict | None = None) -> dict:
+    """PEFT's ``adapter_config.json`` for the ``[lora]`` section; ``experts``: the keys that
+    adapt a Mixture-of-Experts model's fused experts instead (``peft_experts.expert_config``)."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,
             "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": sorted(lora.targets), "bias": "none", "fan_in_fan_out": False,
             "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "modules_to_save": modules_to_save(lora.trainable), "base_model_name_or_path": base_model or None,
-            "inference_mode": True}
+            "inference_mode": True, **(experts or {})}
 
 
 def _collect(mine: list[tuple], topo, group) -> dict[str, torch.Tensor] | None:
@@ -102,7 +114,7 @@ def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimize
     on (None: the default group on gloo, a new gloo group otherwise)."""
     if optimizer is not None and hasattr(optimizer, "wait_for_params"):
         optimizer.wait_for_params()
-    mine = _blocks(model) if topo.dp_cp_rank == 0 else []
+    mine = _blocks(model, topo)
     if group is None and dist.is_initialized() and topo.world_size > 1 and dist.get_backend() != "gloo":
         group = dist.new_group(backend="gloo")  # host objects; collective: every rank is here
     full = _collect(mine, topo, group)
@@ -110,7 +122,9 @@ def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimize
         return None
     from safetensors.torch import save_file
 
-    vocab = model_config(model).vocab_size
+    cfg = model_config(model)
+    experts = fuse_experts(full, cfg.moe.n_experts, lora) if cfg.moe is not None else None
+    vocab = cfg.vocab_size
     for name in VOCAB_ROWS:  # our padding's rows dropped
         if name in full:
             full[name] = full[name][:vocab]
@@ -118,7 +132,7 @@ def export_peft(model: torch.nn.Module, lora, folder: str | Path, topo, optimize
     folder.mkdir(parents=True, exist_ok=True)
     save_file({peft_key(name): t.contiguous() for name, t in sorted(full.items())}, str(folder / WEIGHTS_FILE),
               metadata={"format": "pt"})
-    (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base_model), indent=2))
+    (folder / CONFIG_FILE).write_text(json.dumps(adapter_config(lora, base_model, experts), indent=2))
     if base_model and Path(base_model).is_dir():  # the base's tokenizer goes along, as PEFT saves it
         from .hf import copy_companion_files
 
