@@ -176,17 +176,6 @@ def test_expert_adapters_export_as_peft_target_parameters(one, base):
     _check_in_peft(one, base)
 
 
-def test_the_folder_is_refused_as_lora_adapter(one, corpus_dir, base, tmp_path):
-    """``lora.adapter`` reads no ``target_parameters``: the folder is refused in one line
-    (not loaded without its experts), naming the merged export instead."""
-    from parallel3d.errors import UserError
-    from parallel3d.lora.peft_io import check_adapter_config, read_adapter_config
-
-    lora = config_from_dict(_job(corpus_dir, tmp_path, base)).lora
-    with pytest.raises(UserError, match="target_parameters.*export_hf"):
-        check_adapter_config(read_adapter_config(one["folder"]), lora, one["folder"])
-
-
 @pytest.mark.parametrize("family, targets", [
     ("qwen2_moe", ["down_proj"]), ("qwen2_moe", ["gate_proj"]), ("qwen2_moe", ["q_proj", "up_proj", "down_proj"]),
     ("qwen3_moe", ["gate_proj"]), ("qwen3_moe", TARGETS), ("olmoe", ["q_proj", "up_proj"]),

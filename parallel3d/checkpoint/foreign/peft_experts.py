@@ -33,18 +33,17 @@ keys as a module's LoRA), never through ``target_modules``: on a model transform
 converts (Qwen3-MoE, OLMoE), peft 0.21 reads ``target_modules`` gate_proj / up_proj /
 down_proj as transformers 4's per-expert modules and moves them onto the fused experts
 (dropping a dense layer's adapters, refusing gate_proj without up_proj).
+
+``lora.adapter`` reads such a folder back (``lora/peft_io.py``), and one peft made itself
+(one rank-r adapter on gate_up_proj, which gate_proj and up_proj share: A_gate = A_up =
+A_e, B_gate and B_up its rows), onto the per-expert adapters.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-# transformers' fused parameter -> our projections on it, in the order of its output rows
-FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-MLP = ("gate_proj", "up_proj", "down_proj")
-_FACTOR = re.compile(r"(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.lora_([AB])\.weight")
+from parallel3d.lora.peft_io import EXPERT_FACTOR, FUSED, MLP
 
 
 def fused_targets(targets) -> dict[str, tuple[str, ...]]:
@@ -78,8 +77,8 @@ def fuse_experts(full: dict[str, torch.Tensor], n_experts: int, lora) -> dict:
     them (the module docstring's layout). Returns :func:`expert_config`'s keys, or {} when
     there were none."""
     layers: dict[str, dict] = {}
-    for name in [n for n in full if _FACTOR.fullmatch(n)]:
-        m = _FACTOR.fullmatch(name)
+    for name in [n for n in full if EXPERT_FACTOR.fullmatch(n)]:
+        m = EXPERT_FACTOR.fullmatch(name)
         layers.setdefault(m[1], {})[(int(m[2]), m[3], m[4])] = full.pop(name)
     fused = fused_targets(lora.targets)
     for stem, factors in sorted(layers.items()):
