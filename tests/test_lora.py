@@ -281,6 +281,22 @@ def test_peft_adapter_gives_peft_logits_and_loss(tmp_path):
         assert (wrapped(input_ids=tokens).logits - want.logits).abs().max() > 1e-3
 
 
+def test_a_mismatched_adapter_folder_fails_before_any_worker_starts(tmp_path):
+    """``check_job`` (the launching process, before workers) reads ``lora.adapter``'s
+    adapter_config.json against ``[lora]``: a folder of another rank, or none, in one line."""
+    import json
+
+    from parallel3d.train.setup import check_job, resolve_model_config
+
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16,
+                                                              "target_modules": ["q_proj", "v_proj"]}))
+    for folder, match in ((tmp_path, "lora.adapter .*set lora.rank=4"), (tmp_path / "none", "no adapter_config.json")):
+        cfg = config_from_dict(tiny_job("", "", lora={"rank": 8, "alpha": 16.0, "targets": ["q_proj", "v_proj"],
+                                                      "adapter": str(folder)}))
+        with pytest.raises(UserError, match=match):
+            check_job(cfg, resolve_model_config(cfg.model), 1)
+
+
 def test_an_adapter_of_another_rank_says_what_to_change(tmp_path):
     import json
 

@@ -24,7 +24,7 @@ from parallel3d.tensor_parallel.init import counter_normal_
 from .adapters import adapter_parameters, attach, model_config
 from .dropout import dropout_salt
 from .experts import attach_experts
-from .peft_io import load_adapter_
+from .peft_io import check_adapter_config, load_adapter_, read_adapter_config
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
@@ -60,6 +60,11 @@ def lora_problems(cfg) -> list[str]:
     if cfg.checkpoint.export_peft and both:  # peft wraps a module either way, not both
         out.append(f"checkpoint.export_peft: {', '.join(both)} both in lora.targets and in lora.trainable, which "
                    "a PEFT folder cannot hold (an adapter or modules_to_save): drop them from one of the two")
+    if lora.adapter and not out:  # its adapter_config.json against [lora], before any worker reads it
+        try:
+            check_adapter_config(read_adapter_config(lora.adapter), lora, lora.adapter)
+        except UserError as e:
+            out.append(str(e))
     return out
 
 
