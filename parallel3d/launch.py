@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import uuid
 
 from parallel3d.errors import EXIT_COMM, EXIT_STOPPED, EXIT_USAGE
@@ -33,6 +34,7 @@ def job_nodes(world: int, configured: int) -> int:
 
 def launch_local(entrypoint, args: tuple, nproc: int) -> int:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks; return an exit status."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -40,15 +42,18 @@ def launch_local(entrypoint, args: tuple, nproc: int) -> int:
     # failed worker, which already printed its own reason: keep the console for ours.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
-        monitor_interval=0.1, start_method="spawn",
-    )
-    try:
-        elastic_launch(config, entrypoint)(*args)
-    except ChildFailedError as e:
-        return _report_failures(e.failures, nproc)
+    # the agent's per-attempt folders (the workers' error files), removed after the run:
+    # left to torch, each launch would leave a /tmp/torchelastic_* behind
+    with tempfile.TemporaryDirectory(prefix="p3d-elastic-") as logs:
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+            rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0,
+            monitor_interval=0.1, start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        try:
+            elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as e:
+            return _report_failures(e.failures, nproc)
     return 0
 
 

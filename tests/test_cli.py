@@ -102,3 +102,24 @@ def test_plan_imports_no_torch(args):
     assert proc.returncode == 0, proc.stderr
     assert "recommended:" in proc.stdout
     assert "torch imported: False" in proc.stderr, proc.stderr
+
+
+def _exit_with(code: int) -> None:
+    """A worker for :func:`parallel3d.launch.launch_local`: exits with ``code``."""
+    if code:
+        sys.exit(code)
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_the_local_launcher_leaves_no_folder_in_tmp(tmp_path, monkeypatch, code):
+    """launch_local gives torch's elastic agent a log folder of its own and removes it:
+    nothing is left in the temporary directory, whether the workers succeed or fail (the
+    failure still reported as a non-zero exit)."""
+    import tempfile
+
+    from parallel3d.launch import launch_local
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    status = launch_local(_exit_with, (code,), 2)
+    assert (status == 0) == (code == 0), status
+    assert list(tmp_path.iterdir()) == []
