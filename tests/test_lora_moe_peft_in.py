@@ -116,7 +116,7 @@ def test_a_folder_peft_made_gives_its_logits(made, corpus_dir, base, tmp_path, f
                                       {"tp": 2, "dp": 2, "ep": 2}],
                          ids=lambda p: "-".join(f"{k}{v}" for k, v in p.items()))
 def test_a_folder_peft_made_reads_at_every_layout(pools, made, corpus_dir, base, tmp_path, parallel):
-    """Each rank reads its ep rank's experts (A's rows of those experts, B whole) and its tp
+    """Each rank reads its ep rank's experts (their rows of A, columns of B) and its tp
     slice of the dense factors (under ZeRO 3 bucket by bucket): every rank's logits are peft's."""
     world = parallel.get("tp", 1) * parallel["dp"]
     ranks = pools(world).run(_read_logits, _reading(corpus_dir, tmp_path, base, made["folder"], **parallel))
@@ -125,6 +125,65 @@ def test_a_folder_peft_made_reads_at_every_layout(pools, made, corpus_dir, base,
         width = VOCAB // tp  # tp rank = rank % tp
         want = made["logits"][..., rank % tp * width:(rank % tp + 1) * width]
         assert got.shape == want.shape and _rel(got, want) < 1e-5, (rank, _rel(got, want))
+
+
+def _experts_read(job: dict) -> dict[str, set]:
+    """The experts whose columns of a fused lora_B (the expert its fast axis) and whose rows of
+    a fused lora_A this rank read while building ``job``'s model."""
+    import safetensors
+
+    real, seen = safetensors.safe_open, {"A": set(), "B": set()}
+
+    class Slice:
+        def __init__(self, inner, key):
+            self.inner, self.key = inner, key
+
+        def get_shape(self):
+            return self.inner.get_shape()
+
+        def __getitem__(self, index):
+            fused = ".experts.lora_" in self.key or ".experts.base_layer.lora_" in self.key
+            if fused:
+                which = "B" if "lora_B" in self.key else "A"
+                span = index[1] if which == "B" else index  # B's columns, A's rows
+                size = self.inner.get_shape()[1 if which == "B" else 0]  # R x the experts
+                start, stop, _ = span.indices(size)
+                seen[which] |= {c % N_EXPERTS if which == "B" else c // (size // N_EXPERTS) for c in range(start, stop)}
+            return self.inner[index]
+
+    class File:
+        def __init__(self, *a, **k):
+            self.inner = real(*a, **k)
+
+        def __enter__(self):
+            self.inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            return Slice(self.inner.get_slice(key), key)
+
+    safetensors.safe_open = File
+    try:
+        _read_logits(job)
+    finally:
+        safetensors.safe_open = real
+    return seen
+
+
+def test_each_ep_rank_reads_only_its_experts_factors(pools, made, corpus_dir, base, tmp_path):
+    """At dp 2 x ep 2 a rank reads its own 4 experts' rows of the fused A and columns of the
+    fused B, not the others': the two ranks' sets are disjoint and cover the 8 experts."""
+    ranks = pools(2).run(_experts_read, _reading(corpus_dir, tmp_path, base, made["folder"], dp=2, ep=2))
+    for which in ("A", "B"):
+        mine = [r[which] for r in ranks]
+        assert all(len(m) == N_EXPERTS // 2 for m in mine) and not mine[0] & mine[1], (which, mine)
+        assert mine[0] | mine[1] == set(range(N_EXPERTS)), (which, mine)
 
 
 def test_the_runs_own_export_reads_back(corpus_dir, base, tmp_path):

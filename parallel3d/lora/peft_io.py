@@ -17,8 +17,8 @@ projection j of its output rows (gate_up_proj: gate's ``[0, f)``, up's ``[f, 2f)
 
 exactly (the fused delta's rows are each projection's), when alpha_R / R = alpha / r; the
 other blocks of B (another projection's columns at 2r, a projection lora.targets lacks)
-must be zero, else the folder is refused. A_e's rows are this rank's experts' only; B is
-read whole per layer (its expert axis is the fast one), to check those zeros. R = r is
+must be zero, else the folder is refused. A rank reads its own experts' rows of A and
+columns of B (R slices of B, whose expert axis is the fast one), and checks those zeros. R = r is
 what peft makes (one adapter on the fused rows), R = 2r what ``checkpoint.export_peft``
 writes (``rank_pattern``). lora.targets must name what the folder adapts: its
 target_modules, down_proj for ``experts.down_proj``, gate_proj for ``gate_proj.weight``
@@ -65,6 +65,13 @@ def read_adapter_config(folder: str | Path) -> dict:
     if not path.is_file():
         raise UserError(f"lora.adapter {folder}: no {CONFIG_FILE} there; point lora.adapter at a PEFT adapter folder")
     return json.loads(path.read_text())
+
+
+def wrapper_name(stem: str, param: str, adapted: list[str]) -> str:
+    """Our name (``peft_key``'s input) of the peft wrapper holding fused ``param``'s factors
+    in ``stem`` (``layers.N.mlp.experts``), given every fused parameter ``adapted`` there in
+    registration order: each wrapper wraps the previous one, so the first is the deepest."""
+    return stem + ".base_layer" * (len(adapted) - 1 - adapted.index(param))
 
 
 def fused_parameters(hf: dict) -> list[str]:
@@ -165,7 +172,8 @@ def _column_blocks(hf: dict, lora, stem: str, param: str, folder) -> tuple[int, 
 
 
 def _check_zeros(b: torch.Tensor, blocks: dict[str, int], r: int, lora, key: str, folder) -> None:
-    """The blocks of ``b`` (parts, rows, R, E) that no projection of ours reads are zero."""
+    """The blocks of ``b`` (parts, rows, R, this rank's experts) that no projection of ours
+    reads are zero."""
     for j, proj in enumerate(blocks):
         if proj not in lora.targets and b[j].any():
             raise UserError(f"lora.adapter {folder}: {key} adapts {proj} (its rows are not zero), which "
@@ -180,14 +188,15 @@ def _check_zeros(b: torch.Tensor, blocks: dict[str, int], r: int, lora, key: str
 
 def _load_fused(f, keys: set, hf: dict, lora, stem: str, param: str, held: list, n_experts: int, folder) -> None:
     """Fill ``held`` ((expert, projection, "A" or "B", parameter) of ``stem``'s experts)
-    from the fused ``param``'s factors (the module docstring's mapping)."""
-    nested = fused_parameters(hf)
-    key = PREFIX + stem + ".base_layer" * (len(nested) - 1 - nested.index(param))
+    from the fused ``param``'s factors (the module docstring's mapping), reading this
+    rank's experts' rows of A and columns of B only."""
+    key = PREFIX + wrapper_name(stem, param, fused_parameters(hf))
     for k in (key + ".lora_A.weight", key + ".lora_B.weight"):
         if k not in keys:
             raise UserError(f"lora.adapter {folder}: {k} is missing; the adapter was made for other layers")
     rank, blocks = _column_blocks(hf, lora, stem, param, folder)
     r, parts, b = lora.rank, list(blocks), None
+    lo, hi = min(e for e, *_ in held), max(e for e, *_ in held) + 1  # this rank's experts
     for e, proj, which, p in held:
         factor = f.get_slice(f"{key}.lora_{which}.weight")
         want = [rank * n_experts, p.shape[1]] if which == "A" else [len(parts) * p.shape[0], rank * n_experts]
@@ -198,10 +207,11 @@ def _load_fused(f, keys: set, hf: dict, lora, stem: str, param: str, held: list,
         if which == "A":
             piece = factor[e * rank + start:e * rank + start + r]  # (r, in): this expert's rows only
         else:
-            if b is None:  # (parts, rows, R, E), whole: the expert is the fast axis of its columns
-                b = factor[:].view(len(parts), p.shape[0], rank, n_experts)
+            if b is None:  # (parts, rows, R, hi - lo): the expert is the fast axis of B's columns
+                cols = [factor[:, k * n_experts + lo:k * n_experts + hi] for k in range(rank)]
+                b = torch.stack(cols, dim=1).view(len(parts), p.shape[0], rank, hi - lo)
                 _check_zeros(b, blocks, r, lora, key + ".lora_B.weight", folder)
-            piece = b[parts.index(proj), :, start:start + r, e]  # (rows, r)
+            piece = b[parts.index(proj), :, start:start + r, e - lo]  # (rows, r)
         p.copy_(piece.to(p.dtype))
 
 
