@@ -155,17 +155,19 @@ class Hosts:
         return proc
 
     def torchrun(self, i: int, nnodes: int | str, nproc: int, port: int, run_id: str,
-                 args: list[str], extra: list[str] = (), rdzv_conf: str = "") -> list[str]:
+                 args: list[str], extra: list[str] = (), rdzv_conf: str = "",
+                 log_dir: Path | None = None) -> list[str]:
         """The torchrun command for host ``i``: a c10d rendezvous whose store host 0's
         agent keeps (``is_host``: the endpoint is an address of host 0 only, which the
         agent cannot tell from the host name), and ``--local-addr`` so that the address
         the agents publish for the workers (MASTER_ADDR) is the host's own. ``rdzv_conf``:
-        more ``key=value,...`` for the rendezvous."""
+        more ``key=value,...`` for the rendezvous; ``log_dir``: the agent's ``--log-dir``
+        (without it torchrun makes a /tmp/torchelastic_* folder and never removes it)."""
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
                 "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"{self.addr(0)}:{port}", "--rdzv-id", run_id,
                 "--rdzv-conf", f"is_host={int(i == 0)}" + (f",{rdzv_conf}" if rdzv_conf else ""), "--local-addr", self.addr(i),
-                *extra, "-m", "parallel3d.cli", "train", *args]
+                *(["--log-dir", str(log_dir)] if log_dir is not None else []), *extra, "-m", "parallel3d.cli", "train", *args]
 
     def set_link(self, i: int, up: bool) -> None:
         """Plug host ``i``'s cable in or out (its switch port up or down)."""

@@ -145,7 +145,8 @@ def megatron(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", "-m", "test_checkpoint_megatron", str(root)],
+                          "--nproc_per_node", "2", "--log-dir", str(root / "agent"),
+                          "-m", "test_checkpoint_megatron", str(root)],
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     result = torch.load(root / "reference.pt", weights_only=True)

@@ -131,7 +131,8 @@ def test_torchrun_agents_on_two_hosts_train_as_one_process(layout, reference, pr
     port = _port()
     logs = [tmp_path / "host0.log", tmp_path / "host1.log"]
     with hosts_or_skip(2) as hosts:
-        procs = [hosts.popen(i, hosts.torchrun(i, 2, 2, port, f"p3d-{port}", args), logs[i]) for i in range(2)]
+        procs = [hosts.popen(i, hosts.torchrun(i, 2, 2, port, f"p3d-{port}", args, log_dir=tmp_path / f"agent{i}"),
+                             logs[i]) for i in range(2)]
         _wait_all(procs, logs)
     ran = json.loads((run / "config.json").read_text())["parallel"]
     assert (ran["tp"], ran["pp"], ran["dp"]) == layout
@@ -143,11 +144,13 @@ def test_torchrun_agents_on_two_hosts_train_as_one_process(layout, reference, pr
 
 FAKE_SRUN = """#!/usr/bin/env bash
 # Stands in for srun: runs the command once per node of the allocation, all at once, node
-# i on host i (its namespace) with SLURM_NODEID=i; fails if any node fails.
+# i on host i (its namespace) with SLURM_NODEID=i and a TMPDIR of its own (as SLURM's
+# job-private /tmp: torchrun's agent puts its log folder there); fails if any node fails.
 while [[ "$1" == --* ]]; do shift; done
 pids=()
 for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
-    SLURM_NODEID=$i ip netns exec "$FAKE_HOST_PREFIX$i" "$@" > "$FAKE_OUT/node$i.log" 2>&1 &
+    mkdir -p "$FAKE_OUT/tmp$i"
+    SLURM_NODEID=$i TMPDIR="$FAKE_OUT/tmp$i" ip netns exec "$FAKE_HOST_PREFIX$i" "$@" > "$FAKE_OUT/node$i.log" 2>&1 &
     pids+=($!)
 done
 rc=0

@@ -104,7 +104,7 @@ def test_a_lost_host_leaves_the_job_at_half_the_dp_and_rejoins(prepared_dir, tmp
         return [r for r in _records(metrics) if r.get("event") == "resize"]
 
     with hosts_or_skip(2) as hosts:
-        command = [hosts.torchrun(i, "1:2", 1, port, f"p3d-{port}", args, extra, conf) for i in range(2)]
+        command = [hosts.torchrun(i, "1:2", 1, port, f"p3d-{port}", args, extra, conf, tmp_path / f"agent{i}") for i in range(2)]
         agents = [hosts.popen(i, command[i], logs[i], SHARED_STORE_OFF) for i in range(2)]
         _wait_for(lambda: any(r.get("step", 0) >= KILL_AT and "loss" in r for r in _records(metrics)),
                   TIMEOUT_S, f"step {KILL_AT}", logs)
@@ -177,7 +177,8 @@ def test_a_silenced_host_leaves_the_job_at_half_the_dp_with_the_same_losses(prep
     conf = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
     metrics = run / "metrics.jsonl"
     with hosts_or_skip(2) as hosts:
-        command = [hosts.torchrun(i, "1:2", 1, port, f"p3d-{port}", job_args(job), extra, conf) for i in range(2)]
+        command = [hosts.torchrun(i, "1:2", 1, port, f"p3d-{port}", job_args(job), extra, conf,
+                                  tmp_path / f"agent{i}") for i in range(2)]
         agents = {1: hosts.popen(1, command[1], logs[1], SHARED_STORE_OFF)}
         time.sleep(1)
         agents[0] = hosts.popen(0, command[0], logs[0], SHARED_STORE_OFF)

@@ -93,7 +93,7 @@ def test_two_torchrun_agents_train_as_two_nodes(layout, reference, prepared_dir,
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"p3d-{port}",
-           "-m", "parallel3d.cli", "train", *job_args(_job(prepared_dir, run, dp, tp, pp))]
+           "--log-dir", str(tmp_path / "agents"), "-m", "parallel3d.cli", "train", *job_args(_job(prepared_dir, run, dp, tp, pp))]
     _run_all([cmd, cmd], [tmp_path / "node0.log", tmp_path / "node1.log"], timeout=240)
     # The run is the default recipe with the overrides: its sequence parallelism and ZeRO-1
     # stay on at tp 2 (each is exact math, so the 1-process losses still hold at 1e-5;
@@ -114,7 +114,7 @@ def test_the_autopilot_moves_a_job_of_two_torchrun_agents(prepared_dir, tmp_path
     port = _free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"p3d-{port}",
-           "--max-restarts", "0", "-m", "parallel3d.cli", "train", *job_args(job)]
+           "--max-restarts", "0", "--log-dir", str(tmp_path / "agents"), "-m", "parallel3d.cli", "train", *job_args(job)]
     _run_all([cmd, cmd], [tmp_path / "node0.log", tmp_path / "node1.log"], timeout=240)
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     moves = [r for r in lines if r.get("action") == "move"]
@@ -197,11 +197,13 @@ def test_slurm_script_refuses_a_node_count_that_disagrees(tmp_path):
 
 FAKE_SRUN = """#!/usr/bin/env bash
 # Stands in for srun: records its options, then runs the command once per node of the
-# allocation, all at once, each with that node's SLURM_NODEID; fails if any node fails.
+# allocation, all at once, each with that node's SLURM_NODEID and a TMPDIR of its own (as
+# SLURM's job-private /tmp: torchrun's agent puts its log folder there); fails if any node fails.
 while [[ "$1" == --* ]]; do echo "$1" >> "$FAKE_OUT/srun-options"; shift; done
 pids=()
 for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
-    SLURM_NODEID=$i "$@" > "$FAKE_OUT/node$i.log" 2>&1 &
+    mkdir -p "$FAKE_OUT/tmp$i"
+    SLURM_NODEID=$i TMPDIR="$FAKE_OUT/tmp$i" "$@" > "$FAKE_OUT/node$i.log" 2>&1 &
     pids+=($!)
 done
 rc=0

@@ -45,7 +45,7 @@ def _torchrun(job: dict, log: Path) -> subprocess.Popen:
     # nice: the workers yield the cores to this test's watcher, so it sees each step
     # while it is the newest rather than several steps late.
     cmd = ["nice", "-n", "15", sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", "2", "--max-restarts=1", "--monitor-interval=0.2",
+           "--nproc-per-node", "2", "--max-restarts=1", "--monitor-interval=0.2", "--log-dir", str(log.parent / "agent"),
            "-m", "parallel3d.cli", "train", *job_args(job)]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
