@@ -147,15 +147,27 @@ def _rank(job: dict) -> dict:
             "stage": trainer.topo.pp_rank}
 
 
-def planned_transient(model: dict, rank: int, opts: dict = DEFAULTS) -> dict[int, int]:
-    """Stage -> the dry run's activations + buffers (the planner's) for the same job."""
+def planned_transient(model: dict, rank: int, opts: dict = DEFAULTS) -> dict[int, tuple[int, int]]:
+    """Stage -> the planner's activations + buffers for the same job: (the dry run's, which
+    plans a GPU's fused loss kernel and NCCL, this CPU run's: ``gloo=True``, the torch loss
+    reference's fp32 row block and gloo's buffers)."""
     from parallel3d.config import config_from_dict
-    from parallel3d.train.dryrun import dry_run
+    from parallel3d.planner.memory import memory_per_stage
+    from parallel3d.planner.spec import Layout, LoraSpec, Workload, layer_split
+    from parallel3d.train.dryrun import dry_run, memory_dtype
+    from parallel3d.train.setup import resolve_model_config
 
     with tempfile.TemporaryDirectory(prefix="p3d-lora-mem-") as run_dir:
-        job = _job(model, rank, run_dir, opts)
-        reports = dry_run(config_from_dict(job), 4, out=lambda line: None)["reports"]
-    return {r.stage: sum(r.transient) for r in reports}
+        cfg = config_from_dict(_job(model, rank, run_dir, opts))
+    reports = dry_run(cfg, 4, out=lambda line: None)["reports"]
+    model_cfg = resolve_model_config(cfg.model)
+    work = Workload(model_cfg, cfg.train.seq_len, cfg.train.global_batch,
+                    memory_dtype(cfg, gpu_target=False), LoraSpec.from_config(cfg.lora))
+    par = cfg.parallel
+    split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
+    cpu = memory_per_stage(work, Layout.from_config(cfg), split, gloo=True)
+    return {r.stage: (sum(r.transient), max(c.activations + c.backward_transient, c.step_transient))
+            for r, c in zip(reports, cpu)}
 
 
 def measure(model: dict, rank: int, opts: dict = DEFAULTS, timeout: float = 3600) -> list[dict]:
@@ -164,7 +176,7 @@ def measure(model: dict, rank: int, opts: dict = DEFAULTS, timeout: float = 3600
                                   timeout)
 
 
-def table(name: str, ranks: list[dict], bases: list[dict], planned: dict[int, int]) -> str:
+def table(name: str, ranks: list[dict], bases: list[dict], planned: dict[int, tuple[int, int]]) -> str:
     """Per rank: the sum (base + frozen + trained) against the peak; ``rest`` split into
     what the process still holds after its last step beyond the sum (``held``) and the
     peak above that (``step``); ``other tensors``: Python-visible tensor bytes beyond
@@ -172,7 +184,7 @@ def table(name: str, ranks: list[dict], bases: list[dict], planned: dict[int, in
     lines = [f"{name}: {sum(r['numel'] for r in ranks) / 1e6:.1f}M parameters held over the 4 ranks "
              f"(replicated norms counted per rank), {sum(r['trainable_numel'] for r in ranks) / 1e6:.2f}M trained",
              "rank | base MiB | frozen MiB | trained (params+grads+Adam) MiB | sum MiB | peak MiB | rest MiB "
-             "| held MiB | step MiB | other tensors MiB | planner's activations + buffers MiB | s",
+             "| held MiB | step MiB | other tensors MiB | planner's activations + buffers MiB: GPU plan / CPU plan | s",
              "---|---|---|---|---|---|---|---|---|---|---|---"]
     for i, (r, b) in enumerate(zip(ranks, bases)):
         bound = b["peak"] + r["frozen"] + r["trained"]
@@ -180,7 +192,8 @@ def table(name: str, ranks: list[dict], bases: list[dict], planned: dict[int, in
         lines.append(f"{i} | {b['peak'] / MiB:.0f} | {r['frozen'] / MiB:.1f} | {r['trained'] / MiB:.1f} | "
                      f"{bound / MiB:.0f} | {r['peak'] / MiB:.0f} | {(r['peak'] - bound) / MiB:+.0f} | "
                      f"{(r['steady'] - bound) / MiB:+.0f} | {(r['peak'] - r['steady']) / MiB:.0f} | "
-                     f"{other / MiB:+.1f} | {planned[r['stage']] / MiB:.0f} | {r['seconds']:.0f}")
+                     f"{other / MiB:+.1f} | {planned[r['stage']][0] / MiB:.0f} / {planned[r['stage']][1] / MiB:.0f} | "
+                     f"{r['seconds']:.0f}")
     return "\n".join(lines)
 
 
