@@ -148,26 +148,26 @@ def _rank(job: dict) -> dict:
 
 
 def planned_transient(model: dict, rank: int, opts: dict = DEFAULTS) -> dict[int, tuple[int, int]]:
-    """Stage -> the planner's activations + buffers for the same job: (the dry run's, which
-    plans a GPU's fused loss kernel and NCCL, this CPU run's: ``gloo=True``, the torch loss
-    reference's fp32 row block and gloo's buffers)."""
+    """Stage -> the planner's activations + buffers for the same job, as the dry run counts
+    them: (planned for a GPU: the fused loss kernel, NCCL; for this CPU run: ``gloo=True``,
+    the torch loss reference's fp32 row block and gloo's buffers, what ``--dry-run`` plans
+    for a CPU job)."""
     from parallel3d.config import config_from_dict
     from parallel3d.planner.memory import memory_per_stage
     from parallel3d.planner.spec import Layout, LoraSpec, Workload, layer_split
-    from parallel3d.train.dryrun import dry_run, memory_dtype
+    from parallel3d.train.dryrun import memory_dtype
     from parallel3d.train.setup import resolve_model_config
 
     with tempfile.TemporaryDirectory(prefix="p3d-lora-mem-") as run_dir:
         cfg = config_from_dict(_job(model, rank, run_dir, opts))
-    reports = dry_run(cfg, 4, out=lambda line: None)["reports"]
     model_cfg = resolve_model_config(cfg.model)
     work = Workload(model_cfg, cfg.train.seq_len, cfg.train.global_batch,
                     memory_dtype(cfg, gpu_target=False), LoraSpec.from_config(cfg.lora))
     par = cfg.parallel
     split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
-    cpu = memory_per_stage(work, Layout.from_config(cfg), split, gloo=True)
-    return {r.stage: (sum(r.transient), max(c.activations + c.backward_transient, c.step_transient))
-            for r, c in zip(reports, cpu)}
+    gpu, cpu = (memory_per_stage(work, Layout.from_config(cfg), split, gloo=g) for g in (False, True))
+    return {i: tuple(max(m.activations + m.backward_transient, m.step_transient) for m in (g, c))
+            for i, (g, c) in enumerate(zip(gpu, cpu))}
 
 
 def measure(model: dict, rank: int, opts: dict = DEFAULTS, timeout: float = 3600) -> list[dict]:

@@ -62,15 +62,16 @@ VOCAB_PARAMS = ("embed_tokens.weight", "lm_head.weight")
 EXPERT_MARK = ".experts."  # in the name of a routed expert's parameter
 
 
+def runs_on_cuda(cfg: JobConfig, gpu_target: bool = False) -> bool:
+    """A named GPU, ``launch.backend = "nccl"``, or ``auto`` with CUDA here; else CPU (gloo)."""
+    return gpu_target or cfg.launch.backend == "nccl" or (cfg.launch.backend == "auto" and torch.cuda.is_available())
+
+
 def memory_dtype(cfg: JobConfig, gpu_target: bool = False) -> str:
-    """The precision the job will train in: ``train.dtype``, with ``auto`` resolved as the
-    trainer does (bf16 on CUDA, which ``launch.backend = "nccl"`` or a named GPU implies;
-    fp32 on CPU)."""
+    """``train.dtype``, ``auto`` resolved as the trainer does: bf16 on CUDA, fp32 on CPU."""
     if cfg.train.dtype != "auto":
         return cfg.train.dtype
-    on_cuda = gpu_target or cfg.launch.backend == "nccl" or (
-        cfg.launch.backend == "auto" and torch.cuda.is_available())
-    return "bf16" if on_cuda else "fp32"
+    return "bf16" if runs_on_cuda(cfg, gpu_target) else "fp32"
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,8 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
     work = Workload(model_cfg, train.seq_len, train.global_batch, dtype, LoraSpec.from_config(cfg.lora))
     # The stage split training will use: parallel.pp_layers, else the pipeline's rule.
     split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
-    planned = memory_per_stage(work, layout, split)
+    on_cpu = not runs_on_cuda(cfg, gpu is not None)  # + the loss reference's row block, gloo's buffers
+    planned = memory_per_stage(work, layout, split, gloo=on_cpu)
 
     nodes = job_nodes(world_size, cfg.launch.nnodes)
     active = f", {param_count(active_params(model_cfg))} active per token" if model_cfg.moe is not None else ""
@@ -354,7 +356,7 @@ def dry_run(cfg: JobConfig, world_size: int, out=print, gpu: GPU | None = None) 
     unit, table = stage_table(reports, par.pp, gpu)
     out(f"memory per rank ({unit}): parameters held by the rank's modules (built on the meta device at tp "
         f"rank 0; vocabulary padding and replicated norms included), {_bytes_legend(dtype, par.zero, par.dp, par.cp, par.ep)}; "
-        "activations and buffers from the planner:")
+        f"activations and buffers from the planner{' (on CPU over gloo)' if on_cpu else ''}:")
     for line in table:
         out(line)
     if cfg.lora.rank:
