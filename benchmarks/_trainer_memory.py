@@ -9,12 +9,22 @@ import time
 from pathlib import Path
 
 
+def _status_bytes(key: str) -> int:
+    """A kB field of /proc/self/status, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
 def peak_rss() -> int:
     """This process's peak resident memory in bytes (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
+    return _status_bytes("VmHWM")
+
+
+def rss() -> int:
+    """This process's resident memory now in bytes (VmRSS)."""
+    return _status_bytes("VmRSS")
 
 
 def train(job: dict, prepare=None):

@@ -8,9 +8,9 @@ process's base, and against full training at the same layout.
     python benchmarks/bench_lora_memory.py --layout dp4-zero3   # the base sharded over dp 4 (FSDP-LoRA)
     python benchmarks/bench_lora_memory.py --dtype bf16          # the base frozen in bf16 (fp32 adapters' masters)
 
-Each run is the trainer (``Trainer(cfg, Topology.of(cfg.parallel)).fit()``, 2 steps,
-fp32 or ``--dtype bf16``, micro_batch 1, seq_len 128, 2 micro-batches: pp 2's 1F1B, ``launch.host_memory =
-"tight"`` so resident memory follows the tensors) in 4 fresh processes (gloo, spawned,
+Each run is the trainer (``Trainer(cfg, Topology.of(cfg.parallel)).run_steps(2)``, fp32
+or ``--dtype bf16``, micro_batch 1, seq_len 128 or ``--seq-len``, 2 micro-batches: pp 2's
+1F1B, ``launch.host_memory = "tight"`` so resident memory follows the tensors) in 4 fresh processes (gloo, spawned,
 one thread each). The model is built on the meta device and each rank materialises and
 initialises only its shard. Per rank:
 
@@ -25,7 +25,8 @@ initialises only its shard. Per rank:
 - ``rest``: peak - (base + frozen + adapters): activations, the loss's logits, the
   pipeline's buffers, allocator slack. Acceptance 3 reads peak <= base + frozen +
   adapters; ``rest`` says by how much the measured peak is above or below that sum,
-  beside the dry run's activations and buffers for the same job (the planner's estimate);
+  beside the dry run's activations and buffers for the same job planned for a GPU and for
+  this CPU run (the planner's estimates);
 - ``held``: the resident memory (VmRSS) after the last step above that sum, and ``step``
   the peak above it (``rest`` = ``held`` + ``step`` when the peak is in the last step);
 - ``other tensors``: the bytes of every distinct CPU storage a Python-visible tensor holds
@@ -49,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from _trainer_memory import in_fresh_processes, peak_rss  # noqa: E402
+from _trainer_memory import in_fresh_processes, peak_rss, rss  # noqa: E402
 
 # 16 layers of dim 1024 (16 heads on 8 kv-heads, ffn 2816) and a 32000 vocabulary, untied:
 # 189M in the layers + 65.5M in the embedding and head = 254M parameters
@@ -89,14 +90,6 @@ def _job(model: dict, rank: int, run_dir: str, opts: dict = DEFAULTS) -> dict:
             "observability": {"progress": "off"}}
 
 
-def _rss() -> int:
-    """This process's resident memory now (VmRSS), bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def _tensor_bytes() -> int:
     """Bytes of every distinct CPU storage a Python-visible tensor holds (gc's objects)."""
     import gc
@@ -131,7 +124,7 @@ def _rank(job: dict) -> dict:
     trainer = Trainer(cfg, Topology.of(cfg.parallel), log=False)
     losses = [r["loss"] for r in trainer.run_steps(cfg.train.steps)]
     seconds = time.perf_counter() - t0
-    steady, tensors = _rss(), _tensor_bytes()
+    steady, tensors = rss(), _tensor_bytes()
     report = memory_report(trainer.model, trainer.optimizer)
     params = list(trainer.model.parameters())
     frozen = sum(p.numel() * p.element_size() for p in params if not p.requires_grad)
@@ -148,26 +141,18 @@ def _rank(job: dict) -> dict:
 
 
 def planned_transient(model: dict, rank: int, opts: dict = DEFAULTS) -> dict[int, tuple[int, int]]:
-    """Stage -> the planner's activations + buffers for the same job, as the dry run counts
-    them: (planned for a GPU: the fused loss kernel, NCCL; for this CPU run: ``gloo=True``,
-    the torch loss reference's fp32 row block and gloo's buffers, what ``--dry-run`` plans
-    for a CPU job)."""
+    """Stage -> the dry run's activations + buffers for the same job: (planned for a GPU,
+    ``--gpu h100-80g``: the fused loss kernel, NCCL; planned for this CPU run: the torch
+    loss reference's fp32 row block and gloo's buffers too). ``train.dtype`` is explicit
+    here, so both plans count the same precision."""
     from parallel3d.config import config_from_dict
-    from parallel3d.planner.memory import memory_per_stage
-    from parallel3d.planner.spec import Layout, LoraSpec, Workload, layer_split
-    from parallel3d.train.dryrun import memory_dtype
-    from parallel3d.train.setup import resolve_model_config
+    from parallel3d.planner.hardware import gpu_named
+    from parallel3d.train.dryrun import dry_run
 
     with tempfile.TemporaryDirectory(prefix="p3d-lora-mem-") as run_dir:
         cfg = config_from_dict(_job(model, rank, run_dir, opts))
-    model_cfg = resolve_model_config(cfg.model)
-    work = Workload(model_cfg, cfg.train.seq_len, cfg.train.global_batch,
-                    memory_dtype(cfg, gpu_target=False), LoraSpec.from_config(cfg.lora))
-    par = cfg.parallel
-    split = layer_split(model_cfg, par.pp, par.virtual_stages, par.pp_layers, par.schedule)
-    gpu, cpu = (memory_per_stage(work, Layout.from_config(cfg), split, gloo=g) for g in (False, True))
-    return {i: tuple(max(m.activations + m.backward_transient, m.step_transient) for m in (g, c))
-            for i, (g, c) in enumerate(zip(gpu, cpu))}
+    gpu, cpu = (dry_run(cfg, 4, out=lambda line: None, gpu=g)["reports"] for g in (gpu_named("h100-80g"), None))
+    return {g.stage: (sum(g.transient), sum(c.transient)) for g, c in zip(gpu, cpu)}
 
 
 def measure(model: dict, rank: int, opts: dict = DEFAULTS, timeout: float = 3600) -> list[dict]:
